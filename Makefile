@@ -1,0 +1,27 @@
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test lint clean
+
+venv: $(STAMP)
+
+# Rebuilt when pyproject.toml changes (the stamp is older) or .venv is missing.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test,coco]'
+	touch $(STAMP)
+
+demo: venv
+	$(BIN)/memfit train configs/vit_shapes.py --work-dir work_dirs/demo
+
+test: venv
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests
+
+lint: venv
+	$(BIN)/ruff check memfit tests benchmarks
+
+clean:
+	rm -rf $(VENV) work_dirs

@@ -1,0 +1,54 @@
+# The demo: a small Swin transformer learns the built-in shapes dataset on CPU in a few minutes.
+# `memfit train configs/vit_shapes.py` (or `make demo`). Scale up by changing model_name/img_size.
+
+_img = 32
+_classes = 4
+_data = dict(type='ShapesDataset', image_size=_img, num_classes=_classes)
+
+model = dict(
+    type='TimmClassifier',
+    model_name='vit_tiny_patch16_224',
+    num_classes=_classes,
+    img_size=_img,
+    patch_size=4,
+    embed_dim=96,
+    depth=4,
+    num_heads=3,
+    drop_path_rate=0.0,
+)
+
+train_dataloader = dict(
+    batch_size=32,
+    num_workers=2,
+    persistent_workers=True,
+    sampler=dict(type='DefaultSampler', shuffle=True),
+    dataset=dict(**_data, num_samples=4096, split='train'),
+)
+val_dataloader = dict(
+    batch_size=64,
+    num_workers=0,
+    sampler=dict(type='DefaultSampler', shuffle=False),
+    dataset=dict(**_data, num_samples=512, split='val'),
+)
+val_evaluator = dict(type='Accuracy', topk=(1,))
+
+train_cfg = dict(by_epoch=True, max_epochs=3, val_interval=1)
+val_cfg = dict()
+
+optim_wrapper = dict(
+    type='AmpOptimWrapper',
+    dtype='bfloat16',
+    optimizer=dict(type='AdamW', lr=1e-3, weight_decay=0.05),
+    paramwise_cfg=dict(norm_decay_mult=0.0, bias_decay_mult=0.0),
+    clip_grad=dict(max_norm=5.0),
+)
+param_scheduler = [
+    dict(type='LinearLR', start_factor=0.1, by_epoch=False, begin=0, end=50),
+    dict(type='CosineAnnealingLR', by_epoch=False, begin=50, eta_min=1e-5),
+]
+
+default_hooks = dict(
+    logger=dict(type='LoggerHook', interval=20),
+    checkpoint=dict(type='CheckpointHook', interval=1, max_keep_ckpts=2, save_best='accuracy/top1'),
+)
+randomness = dict(seed=0)

@@ -1,0 +1,118 @@
+"""The checkpoints of a work dir: the ``last_checkpoint`` pointer, listing by position, pruning.
+
+Checkpoints are named ``epoch_{n}.pth`` / ``iter_{n}.pth`` (a sharded checkpoint is a directory of
+the same name); the ``last_checkpoint`` file names the one to resume from and is rewritten
+atomically only after that checkpoint is complete, so it never points at a partial file.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+from memfit.checkpoint.io import write_text_atomic
+
+LATEST_FILE = "last_checkpoint"
+_NAME_RE = re.compile(r"^(epoch|iter)_(\d+)(\.pth)?$")
+
+logger = logging.getLogger("memfit")
+
+
+def write_latest(work_dir: str | Path, filename: str | Path) -> None:
+    """Point ``work_dir/last_checkpoint`` at ``filename``; call only after the checkpoint is complete.
+
+    A checkpoint inside ``work_dir`` is recorded by its name relative to the work dir, so the
+    directory can be moved or mounted elsewhere and still resume.
+    """
+    work_dir = Path(work_dir)
+    target = Path(filename)
+    if not target.is_absolute():
+        target = work_dir / target
+    try:
+        text = str(target.resolve().relative_to(work_dir.resolve()))
+    except ValueError:
+        text = str(target.resolve())
+    write_text_atomic(work_dir / LATEST_FILE, text)
+
+
+def read_latest(work_dir: str | Path) -> Path | None:
+    """The checkpoint to resume from in ``work_dir``, or None when there is none.
+
+    Normally the file ``last_checkpoint`` names. If it names a file that no longer exists, or
+    the pointer is missing while checkpoints exist (a kill between the rename of the first
+    checkpoint and the pointer write), the newest complete checkpoint is used with a warning;
+    temporary ``.*.tmp-*`` files are never candidates.
+    """
+    work_dir = Path(work_dir)
+    pointer = work_dir / LATEST_FILE
+    named: Path | None = None
+    if pointer.is_file():
+        text = pointer.read_text().strip()
+        if text:
+            named = Path(text) if Path(text).is_absolute() else work_dir / text
+            if named.exists():
+                return named
+    found = find_checkpoints(work_dir)
+    if not found:
+        if named is not None:
+            logger.warning(
+                f"{pointer} names {named}, which does not exist, and {work_dir} has no checkpoints"
+            )
+        return None
+    newest = found[-1]
+    why = f"names {named}, which does not exist" if named is not None else "is missing or empty"
+    logger.warning(f"{pointer} {why}: resuming from the newest complete checkpoint {newest}")
+    return newest
+
+
+def checkpoint_position(path: str | Path) -> int | None:
+    """The epoch or iteration number in a checkpoint name (``epoch_3.pth`` -> 3), else None."""
+    match = _NAME_RE.match(Path(path).name)
+    return int(match.group(2)) if match else None
+
+
+def find_checkpoints(work_dir: str | Path) -> list[Path]:
+    """The ``epoch_{n}.pth`` / ``iter_{n}.pth`` checkpoints in ``work_dir``, oldest first.
+
+    Sorted by the number in the name (then modification time), not by name, so ``iter_10``
+    follows ``iter_9``. Best-metric checkpoints and temporary files do not match and are excluded.
+    """
+    work_dir = Path(work_dir)
+    if not work_dir.is_dir():
+        return []
+    found = []
+    for path in work_dir.iterdir():
+        match = _NAME_RE.match(path.name)
+        # A bare ``epoch_3`` is a sharded (directory) checkpoint; ``epoch_3.pth`` may be either.
+        if match and (match.group(3) or path.is_dir()):
+            found.append((int(match.group(2)), path.stat().st_mtime, path))
+    return [path for _, _, path in sorted(found)]
+
+
+def remove_old(work_dir: str | Path, keep: int, protect: Iterable[str | Path] = ()) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints (``max_keep_ckpts``); return what was removed.
+
+    Never removes a path in ``protect`` (the best checkpoint) nor the one ``last_checkpoint``
+    points to. ``keep <= 0`` keeps everything, as MMEngine's ``max_keep_ckpts=-1``.
+    """
+    if keep <= 0:
+        return []
+    work_dir = Path(work_dir)
+    protected = {Path(p).resolve() for p in protect}
+    pointer = work_dir / LATEST_FILE
+    if pointer.is_file() and pointer.read_text().strip():
+        text = pointer.read_text().strip()
+        protected.add((Path(text) if Path(text).is_absolute() else work_dir / text).resolve())
+    removed = []
+    for path in find_checkpoints(work_dir)[:-keep]:
+        if path.resolve() in protected:
+            continue
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        removed.append(path)
+    return removed

@@ -1,0 +1,117 @@
+"""The ``memfit`` command: train | eval | export.
+
+Bad input ends in one line on stderr naming the cause and the fix (exit status 2), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import MemfitError
+
+
+def _load_cfg(args: argparse.Namespace) -> Any:
+    from memfit.config import Config, parse_cfg_options
+
+    cfg = Config.fromfile(args.config)
+    if args.cfg_options:
+        cfg.merge_from_dict(parse_cfg_options(args.cfg_options))
+    if args.work_dir:
+        cfg["work_dir"] = args.work_dir
+    elif not cfg.get("work_dir"):
+        cfg["work_dir"] = str(Path("work_dirs") / Path(args.config).stem)
+    if getattr(args, "launcher", None):
+        cfg["launcher"] = args.launcher
+    return cfg
+
+
+def _train(args: argparse.Namespace) -> int:
+    from memfit.runner import Runner
+
+    cfg = _load_cfg(args)
+    if args.amp:
+        ow = dict(cfg.get("optim_wrapper") or {})
+        if ow.get("type", "OptimWrapper") in ("OptimWrapper", "AmpOptimWrapper"):
+            ow["type"] = "AmpOptimWrapper"
+            ow.setdefault("loss_scale", "dynamic")
+            cfg["optim_wrapper"] = ow
+        else:
+            print(f"memfit: --amp ignored: optim_wrapper.type is {ow.get('type')!r}", file=sys.stderr)
+    if args.resume is not None:
+        cfg["resume"] = True if args.resume == "auto" else args.resume
+    Runner.from_cfg(cfg).train()
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from memfit.runner import Runner
+
+    cfg = _load_cfg(args)
+    cfg["load_from"] = args.checkpoint
+    runner = Runner.from_cfg(cfg)
+    metrics = runner.test() if cfg.get("test_dataloader") is not None else runner.val()
+    for k, v in metrics.items():
+        print(f"{k}: {float(v):.4f}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from memfit.checkpoint import export_safetensors
+
+    out = export_safetensors(args.checkpoint, args.out)
+    print(f"wrote {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="memfit", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("config", help="config file (.py or .yaml)")
+        p.add_argument("--work-dir", help="where logs and checkpoints go (default: work_dirs/<config name>)")
+        p.add_argument("--cfg-options", nargs="+", metavar="KEY=VALUE",
+                       help="override config keys, e.g. optim_wrapper.accumulative_counts=4")
+        p.add_argument("--launcher", choices=["none", "pytorch", "slurm"],
+                       help="how processes were started (torchrun sets 'pytorch' automatically)")
+
+    t = sub.add_parser("train", help="train a config")
+    common(t)
+    t.add_argument("--amp", action="store_true", help="mixed precision (AmpOptimWrapper)")
+    t.add_argument("--resume", nargs="?", const="auto", default=None,
+                   help="resume from the latest checkpoint in the work dir, or from the given file")
+    t.set_defaults(func=_train)
+
+    e = sub.add_parser("eval", help="evaluate a checkpoint on the config's test (or val) data")
+    common(e)
+    e.add_argument("--checkpoint", required=True, help="checkpoint or weights file")
+    e.set_defaults(func=_eval)
+
+    x = sub.add_parser("export", help="write a checkpoint's model weights as one .safetensors file")
+    x.add_argument("checkpoint", help="memfit checkpoint (file or sharded directory)")
+    x.add_argument("--out", required=True, help="output .safetensors path")
+    x.set_defaults(func=_export)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import os
+
+    if getattr(args, "launcher", None) is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        args.launcher = "pytorch"  # started by torchrun
+    try:
+        return args.func(args)
+    except MemfitError as exc:
+        print(f"memfit: error: {exc}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as exc:
+        print(f"memfit: error: {exc.filename or exc}: no such file", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""build_dataloader: an MMEngine-style dataloader config (or a live DataLoader) -> a resumable DataLoader.
+
+The loader always samples through a memfit sampler (:class:`~memfit.data.sampler.DefaultSampler`
+unless the config names another) with the run's seed, rank and world size, and reads items through
+:class:`~memfit.data.seeded.SeededDataset`, so a run can be stopped and resumed at any iteration,
+with any ``num_workers`` and at another world size, and see the same samples with the same
+augmentation.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    default_collate,
+)
+
+from memfit.data.sampler import DefaultSampler
+from memfit.data.seeded import SeededDataset
+from memfit.errors import ConfigError, did_you_mean
+from memfit.registry import COLLATE_FNS, DATA_SAMPLERS, DATASETS, check_kwargs
+
+# The keys of an MMEngine dataloader config that memfit reads; anything else is a typo.
+DATALOADER_KEYS = (
+    "batch_size",
+    "dataset",
+    "sampler",
+    "batch_sampler",
+    "collate_fn",
+    "num_workers",
+    "persistent_workers",
+    "pin_memory",
+    "drop_last",
+    "prefetch_factor",
+)
+DEFAULT_SAMPLER = {"type": "DefaultSampler", "shuffle": True}
+
+
+def build_dataloader(
+    cfg: dict | DataLoader,
+    *,
+    seed: int,
+    rank: int = 0,
+    world_size: int = 1,
+    key: str = "dataloader",
+) -> DataLoader:
+    """Build a DataLoader from an MMEngine-style ``cfg`` dict, or adapt a live ``DataLoader``.
+
+    ``cfg`` keys: ``batch_size`` and ``dataset`` (an object or ``dict(type=...)`` via DATASETS) are
+    required; ``sampler`` (default ``dict(type='DefaultSampler', shuffle=True)``; a name or dict via
+    DATA_SAMPLERS, or a sampler object), ``collate_fn`` (default ``default_collate``; a name or dict
+    via COLLATE_FNS, extra keys bound with ``functools.partial``, or a callable), ``num_workers``,
+    ``persistent_workers``, ``pin_memory``, ``drop_last``, ``prefetch_factor``. With
+    ``num_workers=0`` the two worker-only options are dropped (configs written for GPU machines
+    then run unchanged). ``batch_sampler`` is not supported. ``seed``, ``rank`` and ``world_size``
+    go to the sampler; ``key`` names the config section in error messages.
+
+    A live DataLoader whose sampler is a plain ``SequentialSampler``/``RandomSampler`` with automatic
+    batching is rebuilt around a DefaultSampler (same dataset, batch size, collate function, workers,
+    ``drop_last``, pinning; shuffled iff it was a RandomSampler), so it becomes resumable and
+    rank-sharded. Any other live loader is returned unchanged; it can only resume by skipping batches.
+    """
+    if isinstance(cfg, DataLoader):
+        return adapt_dataloader(cfg, seed=seed, rank=rank, world_size=world_size)
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{key}: expected a dict or a torch DataLoader, got {type(cfg).__name__}")
+    for k in cfg:
+        if k not in DATALOADER_KEYS:
+            raise ConfigError(f"{key}: unknown key {k!r}: {did_you_mean(k, DATALOADER_KEYS)}")
+    for k in ("batch_size", "dataset"):
+        if cfg.get(k) is None:
+            raise ConfigError(f"{key}: missing {k!r}: set {key}.{k}")
+    batch_size = cfg["batch_size"]
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ConfigError(f"{key}: batch_size={batch_size!r} must be a positive int")
+    if cfg.get("batch_sampler") is not None:
+        raise ConfigError(
+            f"{key}: batch_sampler is not supported (memfit's samplers shard and resume per sample): "
+            f"remove it and set {key}.sampler and {key}.batch_size"
+        )
+
+    dataset = DATASETS.build(cfg["dataset"], key=f"{key}.dataset")
+    sampler = build_sampler(cfg.get("sampler"), dataset, seed=seed, rank=rank, world_size=world_size, key=key)
+    if isinstance(sampler, DefaultSampler):
+        dataset = SeededDataset(dataset)
+    num_workers = int(cfg.get("num_workers", 0))
+    kwargs: dict[str, Any] = {}
+    if num_workers > 0:
+        kwargs["persistent_workers"] = bool(cfg.get("persistent_workers", False))
+        kwargs["prefetch_factor"] = cfg.get("prefetch_factor")
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        collate_fn=build_collate_fn(cfg.get("collate_fn"), key=key),
+        num_workers=num_workers,
+        pin_memory=bool(cfg.get("pin_memory", False)),
+        drop_last=bool(cfg.get("drop_last", False)),
+        **kwargs,
+    )
+
+
+def build_sampler(
+    cfg: dict | str | Any | None,
+    dataset: Any,
+    *,
+    seed: int,
+    rank: int = 0,
+    world_size: int = 1,
+    key: str = "dataloader",
+) -> Any:
+    """Build ``cfg`` (``None`` -> shuffled DefaultSampler; a name; ``dict(type=...)``; an object).
+
+    The dataset, seed, rank and world size are passed to every argument of the sampler that takes
+    them (``dataset``/``data_source``, ``seed``, ``num_replicas``, ``rank``), so torch's
+    ``DistributedSampler`` given as a class also works. A ``seed: None`` in the config means the
+    run's seed, as in MMEngine.
+    """
+    cfg = dict(DEFAULT_SAMPLER) if cfg is None else cfg
+    if isinstance(cfg, str):
+        cfg = {"type": cfg}
+    if not isinstance(cfg, dict):
+        return cfg
+    cfg = dict(cfg)
+    if "type" not in cfg:
+        raise ConfigError(f"{key}.sampler: missing 'type': use e.g. dict(type='DefaultSampler')")
+    if cfg.get("seed", 0) is None:
+        del cfg["seed"]
+    target = DATA_SAMPLERS.get(cfg["type"]) if isinstance(cfg["type"], str) else cfg["type"]
+    offered = {
+        "dataset": dataset,
+        "data_source": dataset,
+        "seed": seed,
+        "num_replicas": world_size,
+        "rank": rank,
+    }
+    accepted = inspect.signature(target).parameters
+    defaults = {k: v for k, v in offered.items() if k in accepted}
+    return DATA_SAMPLERS.build({**cfg, "type": target}, key=f"{key}.sampler", **defaults)
+
+
+def build_collate_fn(cfg: dict | str | Callable | None, *, key: str = "dataloader") -> Callable:
+    """``None`` -> ``default_collate``; a name or ``dict(type=name, **kwargs)`` -> the registered
+    function with ``kwargs`` bound; a callable -> itself."""
+    if cfg is None:
+        return default_collate
+    if isinstance(cfg, str):
+        cfg = {"type": cfg}
+    if not isinstance(cfg, dict):
+        if not callable(cfg):
+            raise ConfigError(f"{key}.collate_fn: expected a name, dict(type=...) or a callable, got {cfg!r}")
+        return cfg
+    cfg = dict(cfg)
+    if "type" not in cfg:
+        raise ConfigError(f"{key}.collate_fn: missing 'type': use e.g. dict(type='default_collate')")
+    kind = cfg.pop("type")
+    fn = COLLATE_FNS.get(kind) if isinstance(kind, str) else kind
+    if cfg:
+        check_kwargs(fn, cfg, f"{key}.collate_fn")
+        fn = functools.partial(fn, **cfg)
+    return fn
+
+
+def adapt_dataloader(loader: DataLoader, *, seed: int, rank: int = 0, world_size: int = 1) -> DataLoader:
+    """Rebuild a plain user DataLoader around a DefaultSampler; return any other loader unchanged.
+
+    "Plain" means a map-style dataset, automatic batching (``batch_size`` set, no custom
+    ``batch_sampler``) and a ``SequentialSampler`` or a without-replacement, full-length
+    ``RandomSampler``: then swapping the sampler changes only the (now resumable, rank-sharded)
+    order. A custom sampler or batch sampler encodes choices memfit cannot reproduce, so such a
+    loader is kept as is and resumes by skipping batches.
+    """
+    sampler = loader.sampler
+    plain_random = type(sampler) is RandomSampler and not sampler.replacement
+    plain_random = plain_random and getattr(sampler, "_num_samples", None) is None  # full length
+    plain = type(sampler) is SequentialSampler or plain_random
+    auto_batched = loader.batch_size is not None and type(loader.batch_sampler) is BatchSampler
+    if isinstance(loader.dataset, IterableDataset) or not (plain and auto_batched):
+        return loader
+    new_sampler = DefaultSampler(
+        loader.dataset, shuffle=plain_random, seed=seed, num_replicas=world_size, rank=rank
+    )
+    kwargs: dict[str, Any] = {}
+    if loader.num_workers > 0:
+        kwargs.update(
+            persistent_workers=loader.persistent_workers,
+            prefetch_factor=loader.prefetch_factor,
+            worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context,
+            timeout=loader.timeout,
+        )
+    return DataLoader(
+        SeededDataset(loader.dataset),
+        batch_size=loader.batch_size,
+        sampler=new_sampler,
+        collate_fn=loader.collate_fn,
+        num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        pin_memory_device=getattr(loader, "pin_memory_device", ""),
+        **kwargs,
+    )

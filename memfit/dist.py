@@ -1,0 +1,112 @@
+"""Process-group helpers: rank, world size, collectives that are no-ops in a single process."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def get_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def is_main_process() -> bool:
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def default_device() -> torch.device:
+    """The device this process trains on: its local CUDA device when there is one, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", get_local_rank() % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_process_group(launcher: str, backend: str | None = None, timeout_s: int | None = None) -> None:
+    """Join the process group described by the launcher's environment (torchrun or Slurm).
+
+    The backend follows the device (nccl on CUDA, gloo on CPU) unless ``backend`` names one.
+    """
+    if is_distributed() or launcher == "none":
+        return
+    if launcher == "slurm":
+        _env_from_slurm()
+    elif launcher != "pytorch":
+        raise ValueError(f"unknown launcher {launcher!r}: use 'none', 'pytorch' or 'slurm'")
+    if "RANK" not in os.environ:
+        raise RuntimeError(
+            f"launcher={launcher!r} but RANK/WORLD_SIZE are not set: start with torchrun "
+            "(torchrun --nproc-per-node N -m memfit train CFG) or use launcher='none'"
+        )
+    device = default_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    kwargs: dict[str, Any] = {"backend": backend}
+    if timeout_s:
+        import datetime
+
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(**kwargs)
+
+
+def _env_from_slurm() -> None:
+    """Fill torchrun's variables from Slurm's (one task per GPU)."""
+    env = os.environ
+    env.setdefault("RANK", env["SLURM_PROCID"])
+    env.setdefault("WORLD_SIZE", env["SLURM_NTASKS"])
+    env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+    if "MASTER_ADDR" not in env:
+        import subprocess
+
+        nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "127.0.0.1")
+        first = subprocess.run(
+            ["scontrol", "show", "hostnames", nodes], capture_output=True, text=True, check=False
+        ).stdout.split()
+        env["MASTER_ADDR"] = first[0] if first else "127.0.0.1"
+    env.setdefault("MASTER_PORT", "29500")
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Gather a picklable object from every rank (a one-element list in a single process)."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    """Mean of a tensor over ranks (for logging); the input itself is left unchanged."""
+    if not is_distributed():
+        return t
+    t = t.detach().clone()
+    dist.all_reduce(t)
+    return t / get_world_size()

@@ -1,0 +1,6 @@
+"""Evaluation: the BaseMetric contract, the Evaluator and built-in metrics."""
+
+from memfit.evaluator.accuracy import Accuracy
+from memfit.evaluator.metric import BaseMetric, Evaluator
+
+__all__ = ["Accuracy", "BaseMetric", "Evaluator"]

@@ -1,0 +1,169 @@
+"""LoggerHook: the console line of the seeds' logs, a progress bar, JSON lines and TensorBoard."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfit.dist import is_main_process
+from memfit.hooks.base import Hook
+from memfit.registry import HOOKS
+
+
+def peak_memory_mb(device: torch.device) -> int:
+    """Peak CUDA allocation (reset after each read) on GPU; the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        mb = torch.cuda.max_memory_allocated(device) // 2**20
+        torch.cuda.reset_peak_memory_stats(device)
+        return int(mb)
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+
+
+@HOOKS.register()
+class LoggerHook(Hook):
+    """Every ``interval`` iterations: ``Epoch(train) [1][ 10/196]  lr: ...  eta: ...  time: ...``.
+
+    Scalars (smoothed over the interval) also go to ``<log_dir>/scalars.jsonl`` and, when
+    ``tensorboard=True``, to TensorBoard in ``<log_dir>/tensorboard``. A progress bar is shown when
+    stdout is a terminal (``progress_bar=None`` decides automatically).
+    """
+
+    priority = "BELOW_NORMAL"
+
+    def __init__(self, interval: int = 10, tensorboard: bool = True, progress_bar: bool | None = None,
+                 ignore_last: bool = False) -> None:
+        self.interval = interval
+        self.tensorboard = tensorboard
+        self.progress_bar = progress_bar
+        self.ignore_last = ignore_last
+        self._json = None
+        self._tb = None
+        self._bar = None
+
+    # -- files ---------------------------------------------------------------------------------
+    def before_run(self, runner: Any) -> None:
+        if not is_main_process():
+            return
+        log_dir = Path(runner.log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self._json = open(log_dir / "scalars.jsonl", "a")
+        if self.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(log_dir / "tensorboard"))
+            except ImportError:  # tensorboard is a dependency, but stay usable without it
+                runner.logger.warning("tensorboard is not installed: scalars go to scalars.jsonl only")
+
+    def after_run(self, runner: Any) -> None:
+        for f in (self._json, self._tb):
+            if f is not None:
+                f.close()
+        self._json = self._tb = None
+        self._close_bar()
+
+    def _write(self, step: int, scalars: dict[str, float]) -> None:
+        if self._json is not None:
+            self._json.write(json.dumps({"step": step, **scalars}) + "\n")
+            self._json.flush()
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+
+    # -- train ---------------------------------------------------------------------------------
+    def before_train(self, runner: Any) -> None:
+        what = "peak CUDA memory allocated" if runner.device.type == "cuda" else "peak process RSS (CPU)"
+        runner.logger.info(f"'memory' in log lines: {what}, in MB")
+        if is_main_process() and (self.progress_bar or (self.progress_bar is None and sys.stdout.isatty())):
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=runner.max_iters, initial=runner.iter, desc="train", leave=False,
+                             dynamic_ncols=True, file=sys.stderr)
+
+    def after_train(self, runner: Any) -> None:
+        self._close_bar()
+
+    def _close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None) -> None:
+        hub = runner.message_hub
+        if outputs:
+            hub.update_scalars({f"train/{k}": v for k, v in outputs.items()})
+        if runner.optim_wrapper is not None:
+            hub.update_scalars({f"train/{k}": v for k, v in runner.optim_wrapper.log_scalars().items()})
+        if self._bar is not None:
+            self._bar.update(1)
+        last_in_epoch = runner.train_loop.is_last_iter_of_epoch(batch_idx)
+        if not (self.every_n_train_iters(runner, self.interval) or (last_in_epoch and not self.ignore_last)):
+            return
+        window = self.interval
+        scalars: dict[str, float] = {}
+        lrs = runner.optim_wrapper.get_lr()["lr"] if runner.optim_wrapper is not None else []
+        if lrs:
+            scalars["lr"] = lrs[0]
+        for key in hub.keys("train/"):
+            name = key.removeprefix("train/")
+            scalars[name] = hub.latest(key) if name in ("loss_scale", "skipped_steps") else hub.mean(key, window)
+        for key in hub.keys("memory/"):  # MemoryMonitorHook's tracker numbers, when it is on
+            scalars[key] = hub.latest(key)
+        scalars["memory"] = peak_memory_mb(runner.device)
+        scalars["epoch"] = runner.epoch + 1
+        scalars["iter"] = runner.iter + 1
+        self._write(runner.iter + 1, scalars)
+        runner.logger.info(self._format_train(runner, batch_idx, scalars))
+
+    def _format_train(self, runner: Any, batch_idx: int, s: dict[str, float]) -> str:
+        if runner.train_loop.by_epoch:
+            n = runner.train_loop.iters_per_epoch
+            head = f"Epoch(train)  [{runner.epoch + 1}][{batch_idx + 1:>{len(str(n))}}/{n}]"
+        else:
+            n = runner.max_iters
+            head = f"Iter(train)  [{runner.iter + 1:>{len(str(n))}}/{n}]"
+        eta = str(datetime.timedelta(seconds=int(runner.message_hub.get_info("eta", 0.0))))
+        parts = [head]
+        if "lr" in s:
+            parts.append(f"lr: {s['lr']:.4e}")
+        parts.append(f"eta: {eta}")
+        for k in ("time", "data_time"):
+            if k in s:
+                parts.append(f"{k}: {s[k]:.4f}")
+        parts.append(f"memory: {int(s['memory'])}")
+        skip = {"lr", "time", "data_time", "memory", "epoch", "iter"}
+        rest = [f"{k}: {v:.4f}" for k, v in s.items() if k not in skip and k != "loss"]
+        if "loss" in s:
+            parts.append(f"loss: {s['loss']:.4f}")
+        return "  ".join(parts + rest)
+
+    # -- val / test ----------------------------------------------------------------------------
+    def after_val_epoch(self, runner: Any, metrics: dict | None = None) -> None:
+        self._after_eval(runner, "val", metrics or {})
+
+    def after_test_epoch(self, runner: Any, metrics: dict | None = None) -> None:
+        self._after_eval(runner, "test", metrics or {})
+
+    def _after_eval(self, runner: Any, mode: str, metrics: dict) -> None:
+        hub = runner.message_hub
+        scalars = {k: float(v) for k, v in metrics.items() if _is_number(v)}
+        for k in ("data_time", "time"):
+            if hub.keys(f"{mode}/{k}"):
+                scalars[k] = hub.mean(f"{mode}/{k}")
+        if mode == "val":
+            self._write(runner.iter + (1 if runner.iter >= 0 else 0), {f"val/{k}": v for k, v in scalars.items()})
+        n = len(runner.val_dataloader if mode == "val" else runner.test_dataloader)
+        head = (f"Epoch({mode}) [{max(runner.epoch, 1)}][{n}/{n}]" if runner.train_loop_by_epoch
+                else f"Iter({mode}) [{n}/{n}]")
+        body = "  ".join(f"{k}: {v:.4f}" for k, v in scalars.items())
+        runner.logger.info(f"{head}  {body}")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1)

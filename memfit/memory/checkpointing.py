@@ -1,0 +1,296 @@
+"""Activation checkpointing: by module name, by module type, every N-th block, or selective (op-level).
+
+``apply_activation_checkpointing(model, ['backbone.layers.0'])`` is the seeds'
+``cfg=dict(activation_checkpointing=[...])``; the dict form adds
+``dict(names=[...], types=['SwinTransformerBlock'], every_n=2, selective=True)``.
+
+Each chosen module keeps its identity: only its ``forward`` is replaced, by an instance attribute
+that runs the original forward under non-reentrant ``torch.utils.checkpoint.checkpoint``. Parameter
+names, ``state_dict`` keys and module hooks stay as they were, so FSDP2 ``fully_shard`` or DDP
+applied afterwards see the same module tree (torchtitan's ``checkpoint_wrapper`` inserts a wrapper
+module and renames every parameter, which breaks checkpoints saved without it).
+
+Non-reentrant checkpointing is what fixes MMEngine's two failures: a checkpointed region whose
+inputs need no gradient (a whole ``backbone`` fed with images, or its first layer) still records
+its parameters in the autograd graph, so it neither crashes ("element 0 of tensors does not require
+grad") nor silently leaves ``conv1`` untrained.
+
+A module is never checkpointed twice: modules inside (or around) one we already wrapped, and
+modules covered by the model's own switch (timm's ``set_grad_checkpointing``, ``with_cp``,
+``gradient_checkpointing``) are skipped with a warning, so every block recomputes its forward once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from memfit.errors import ConfigError, did_you_mean
+
+logger = logging.getLogger("memfit")
+
+SPEC_KEYS = ("names", "types", "every_n", "selective")
+
+# Selective checkpointing keeps the outputs of these ops (the expensive ones: GEMMs and attention)
+# and recomputes everything else (norms, activations, adds), as torchtitan's op-level policy does.
+DEFAULT_SAVE_OPS = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+)
+
+# Attributes by which models switch on their own checkpointing: timm (grad_checkpointing),
+# OpenMMLab (with_cp), Hugging Face (gradient_checkpointing), Swin/official repos (use_checkpoint).
+OWN_SWITCHES = ("grad_checkpointing", "with_cp", "gradient_checkpointing", "use_checkpoint")
+
+
+class WrappedForward:
+    """A module's replacement ``forward``: calls the original inside a context.
+
+    A class, not a closure: ``copy.deepcopy(model)`` (EMA, SWA) then copies the bound original
+    forward with the module it belongs to, instead of sharing the old module's method.
+    Subclasses define ``__call__``; ``kind`` names the technique in warnings.
+    """
+
+    kind = "wrapped"
+
+    def __init__(self, orig: Callable[..., Any]) -> None:
+        self.orig = orig
+
+
+class CheckpointedForward(WrappedForward):
+    """``forward`` under non-reentrant checkpointing; selective when a context_fn is given."""
+
+    kind = "activation checkpointing"
+
+    def __init__(self, orig: Callable[..., Any], context_fn: Callable[[], Any] | None = None) -> None:
+        super().__init__(orig)
+        self.context_fn = context_fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():  # eval / no_grad: nothing is saved, so nothing to recompute
+            return self.orig(*args, **kwargs)
+        # kwargs go through a closure so that a keyword named like one of checkpoint's own
+        # (context_fn, debug, ...) cannot collide; non-reentrant checkpointing differentiates
+        # through tensors a closure captures.
+        fn = partial(self.orig, **kwargs) if kwargs else self.orig
+        extra = {"context_fn": self.context_fn} if self.context_fn is not None else {}
+        return checkpoint(fn, *args, use_reentrant=False, **extra)
+
+
+def wrapped_forward(module: nn.Module) -> WrappedForward | None:
+    """The memfit wrapper installed on ``module.forward``, or None."""
+    fwd = module.__dict__.get("forward")
+    return fwd if isinstance(fwd, WrappedForward) else None
+
+
+def own_switch(module: nn.Module) -> str | None:
+    """The name of the model's own checkpointing attribute that is on for ``module``, or None."""
+    for attr in OWN_SWITCHES:
+        if getattr(module, attr, False) is True:
+            return attr
+    return None
+
+
+def resolve_modules(model: nn.Module, names: Iterable[str], key: str) -> list[tuple[str, nn.Module]]:
+    """Look qualified names up in ``model``; an unknown name is a ConfigError with near matches."""
+    table = dict(model.named_modules())
+    out = []
+    for name in names:
+        if not isinstance(name, str):
+            raise ConfigError(f"{key}: module names must be strings, got {name!r}")
+        if name not in table:
+            raise ConfigError(f"{key}: model has no module {name!r}: {did_you_mean(name, table)}")
+        out.append((name, table[name]))
+    return out
+
+
+def _within(name: str, outer: str) -> bool:
+    return outer == "" or name == outer or name.startswith(outer + ".")
+
+
+def _covered(modules: dict[str, nn.Module], name: str) -> str:
+    # timm's switch on a model or stage checkpoints its ``blocks`` only (patch_embed, norms and the
+    # head are not recomputed); any other model's switch is taken to cover the whole module.
+    blocks = getattr(modules[name], "blocks", None)
+    if isinstance(blocks, nn.Module) and getattr(modules[name], "grad_checkpointing", False) is True:
+        return f"{name}.blocks" if name else "blocks"
+    return name
+
+
+def install(
+    model: nn.Module,
+    chosen: list[tuple[str, nn.Module]],
+    make: Callable[[Callable[..., Any]], WrappedForward],
+    what: str,
+) -> list[str]:
+    """Replace the forward of each chosen module by ``make(original forward)``, never twice.
+
+    Skipped with a warning: a module already wrapped by memfit or inside/around one that is (the
+    checkpoint or offload of the outer one would act on the inner one twice), and a module that the
+    model's own checkpointing switch covers. Returns the qualified names that were wrapped.
+    """
+    modules = dict(model.named_modules())
+    wrapped = {n for n, m in modules.items() if wrapped_forward(m) is not None}
+    switched = {n for n, m in modules.items() if own_switch(m) is not None}
+    done: list[str] = []
+    # Outermost first, so that a module inside another chosen one is the one skipped.
+    for name, module in sorted(chosen, key=lambda nm: nm[0].count(".") + (nm[0] != "")):
+        clash = next((w for w in sorted(wrapped) if _within(name, w) or _within(w, name)), None)
+        if clash is not None:
+            tech = wrapped_forward(modules[clash]).kind  # type: ignore[union-attr]
+            where = "is" if clash == name else ("is inside" if _within(name, clash) else "contains")
+            logger.warning(
+                f"{what}: skipping {name or '<model>'!r}: it {where} {clash or '<model>'!r}, "
+                f"which already has {tech}"
+            )
+            continue
+        own = next(
+            (s for s in sorted(switched) if _within(name, _covered(modules, s)) or _within(s, name)), None
+        )
+        if own is not None:
+            attr = own_switch(modules[own])
+            logger.warning(
+                f"{what}: skipping {name or '<model>'!r}: the model's own checkpointing "
+                f"({own or '<model>'}.{attr}=True) already covers it; recomputing it again would "
+                f"run its forward twice more"
+            )
+            continue
+        module.forward = make(module.forward)
+        wrapped.add(name)
+        done.append(name)
+    return done
+
+
+def _resolve_ops(names: Iterable[Any]) -> set[Any]:
+    ops: set[Any] = set()
+    for name in names:
+        if isinstance(name, torch._ops.OpOverload):
+            ops.add(name)
+            continue
+        if isinstance(name, torch._ops.OpOverloadPacket):
+            packet = name
+        else:
+            parts = str(name).removeprefix("aten.").split(".")
+            packet = getattr(torch.ops.aten, parts[0], None)
+            if not isinstance(packet, torch._ops.OpOverloadPacket):
+                raise ConfigError(
+                    f"activation_checkpointing.selective.save_ops: unknown aten op {name!r} "
+                    f"(examples: 'mm', 'aten.addmm', 'convolution')"
+                )
+            if len(parts) > 1:
+                ops.add(getattr(packet, parts[1]))
+                continue
+        ops.update(getattr(packet, o) for o in packet.overloads())
+    return ops
+
+
+def selective_context_fn(save_ops: Iterable[Any] = DEFAULT_SAVE_OPS) -> Callable[[], Any]:
+    """A ``context_fn`` for ``checkpoint`` that saves the outputs of ``save_ops`` and recomputes the rest.
+
+    Ops are aten names (``'mm'``, ``'aten.addmm.default'``) or op objects.
+    """
+    save = _resolve_ops(save_ops)
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return partial(create_selective_checkpoint_contexts, policy)
+
+
+def _normalise(spec: Any) -> dict[str, Any]:
+    if isinstance(spec, str):
+        spec = [spec]
+    if isinstance(spec, (list, tuple)):
+        return {"names": list(spec)}
+    if not isinstance(spec, dict):
+        raise ConfigError(
+            f"activation_checkpointing must be a list of module names or a dict(names=..., types=..., "
+            f"every_n=..., selective=...), got {type(spec).__name__}"
+        )
+    for k in spec:
+        if k not in SPEC_KEYS:
+            raise ConfigError(f"activation_checkpointing: unknown key {k!r}: {did_you_mean(k, SPEC_KEYS)}")
+    return dict(spec)
+
+
+def _match_types(model: nn.Module, types: Iterable[Any]) -> list[tuple[str, nn.Module]]:
+    types = list(types)
+    present = {type(m).__name__ for m in model.modules()}
+    for t in types:
+        if isinstance(t, str) and t not in present:
+            raise ConfigError(
+                f"activation_checkpointing.types: the model has no module of type {t!r}: "
+                f"{did_you_mean(t, present)}"
+            )
+        if not isinstance(t, (str, type)):
+            raise ConfigError(f"activation_checkpointing.types: expected class names or classes, got {t!r}")
+
+    def matches(m: nn.Module) -> bool:
+        return any(type(m).__name__ == t if isinstance(t, str) else isinstance(m, t) for t in types)
+
+    return [(n, m) for n, m in model.named_modules() if matches(m)]
+
+
+def apply_activation_checkpointing(model: nn.Module, spec: Any) -> list[str]:
+    """Checkpoint the modules ``spec`` selects and return their qualified names.
+
+    ``spec`` is a list of module names, or ``dict(names=[...], types=[...], every_n=N,
+    selective=True | dict(save_ops=[...]))``: modules matching a name or a type (in
+    ``named_modules()`` order) are chosen, ``every_n`` keeps the N-th, 2N-th, ... of them (as
+    torchtitan's ``ac_freq``), and ``selective`` saves GEMM/attention outputs inside each region
+    instead of recomputing everything. Trades compute (about one extra forward of the region) for
+    the activation memory the region would have saved for backward.
+    """
+    spec = _normalise(spec)
+    names = spec.get("names") or []
+    types = spec.get("types") or []
+    if isinstance(names, str):
+        names = [names]
+    if isinstance(types, (str, type)):
+        types = [types]
+    every_n = spec.get("every_n", 1)
+    if not isinstance(every_n, int) or isinstance(every_n, bool) or every_n < 1:
+        raise ConfigError(f"activation_checkpointing.every_n must be a positive integer, got {every_n!r}")
+    selective = spec.get("selective", False)
+    if set(spec) - {"names"} and not names and not types:
+        raise ConfigError("activation_checkpointing: the dict form needs names=[...] or types=[...]")
+
+    chosen = dict(resolve_modules(model, names, "activation_checkpointing.names"))
+    chosen.update(_match_types(model, types))
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    ordered = sorted(chosen.items(), key=lambda nm: order[nm[0]])
+    ordered = [nm for i, nm in enumerate(ordered, start=1) if i % every_n == 0]
+
+    context_fn = None
+    if selective:
+        if isinstance(selective, dict):
+            unknown = [k for k in selective if k != "save_ops"]
+            if unknown:
+                raise ConfigError(
+                    f"activation_checkpointing.selective: unknown key {unknown[0]!r} (valid: 'save_ops')"
+                )
+            context_fn = selective_context_fn(selective.get("save_ops", DEFAULT_SAVE_OPS))
+        elif selective is True:
+            context_fn = selective_context_fn()
+        else:
+            raise ConfigError(
+                f"activation_checkpointing.selective must be True or dict(save_ops=[...]), got {selective!r}"
+            )
+    make = partial(CheckpointedForward, context_fn=context_fn)
+    done = install(model, ordered, make, "activation_checkpointing")
+    if done:
+        mode = "selective " if context_fn else ""
+        logger.info(f"{mode}activation checkpointing on {len(done)} modules: {', '.join(done)}")
+    return done

@@ -1,0 +1,9 @@
+"""Models: the BaseModel contract and adapters for timm/torchvision models."""
+
+from memfit.model.base import BaseDataPreprocessor, BaseModel, move_to
+from memfit.model.classifier import ImageClassifier, TimmClassifier
+from memfit.registry import MODELS
+
+MODELS.register(BaseDataPreprocessor)
+
+__all__ = ["BaseModel", "BaseDataPreprocessor", "ImageClassifier", "TimmClassifier", "move_to"]

@@ -1,0 +1,109 @@
+"""The BaseModel contract (MMEngine's): ``forward(*inputs, mode='loss'|'predict'|'tensor')``."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def move_to(data: Any, device: torch.device | str | None, non_blocking: bool = False) -> Any:
+    """Move every tensor in a nested dict/list/tuple to ``device`` (structure kept)."""
+    if device is None:
+        return data
+    if isinstance(data, torch.Tensor):
+        return data.to(device, non_blocking=non_blocking)
+    if isinstance(data, Mapping):
+        return type(data)({k: move_to(v, device, non_blocking) for k, v in data.items()}) if not isinstance(
+            data, OrderedDict
+        ) else OrderedDict((k, move_to(v, device, non_blocking)) for k, v in data.items())
+    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
+        return type(data)(*(move_to(v, device, non_blocking) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(move_to(v, device, non_blocking) for v in data)
+    return data
+
+
+class BaseDataPreprocessor(nn.Module):
+    """Moves a batch to the model's device. Subclass to normalise, pad or augment on the device."""
+
+    def __init__(self, non_blocking: bool = False) -> None:
+        super().__init__()
+        self.non_blocking = non_blocking
+        self.device: torch.device | None = None
+
+    def forward(self, data: Any, training: bool = False) -> Any:
+        return move_to(data, self.device, self.non_blocking)
+
+
+class BaseModel(nn.Module):
+    """Base class for memfit models (MMEngine's contract).
+
+    Subclasses implement ``forward(*inputs, mode)``: ``mode='loss'`` returns a dict of losses (each
+    value whose key contains 'loss' is averaged and summed), ``'predict'`` returns predictions for the
+    evaluator, ``'tensor'`` returns raw outputs. A batch that is a dict is passed by keyword, a
+    tuple/list positionally.
+    """
+
+    def __init__(self, data_preprocessor: nn.Module | dict | None = None, init_cfg: Any = None) -> None:
+        super().__init__()
+        if isinstance(data_preprocessor, dict):
+            from memfit.registry import MODELS
+
+            data_preprocessor = MODELS.build(data_preprocessor, key="data_preprocessor")
+        self.data_preprocessor = data_preprocessor or BaseDataPreprocessor()
+        self.init_cfg = init_cfg
+
+    def train_step(self, data: Any, optim_wrapper: Any) -> dict[str, torch.Tensor]:
+        """Forward under the wrapper's context (autocast, no-sync), backward and step through it."""
+        with optim_wrapper.optim_context(self):
+            data = self.data_preprocessor(data, True)
+            losses = self._run_forward(data, mode="loss")
+        parsed, log_vars = self.parse_losses(losses)
+        optim_wrapper.update_params(parsed)
+        return log_vars
+
+    def val_step(self, data: Any) -> Any:
+        data = self.data_preprocessor(data, False)
+        return self._run_forward(data, mode="predict")
+
+    def test_step(self, data: Any) -> Any:
+        return self.val_step(data)
+
+    def parse_losses(self, losses: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Sum the mean of every entry whose key contains 'loss'; other entries are only logged.
+
+        Returns detached tensors for logging (no host sync here: the logger converts them).
+        """
+        if not isinstance(losses, Mapping):
+            raise TypeError(
+                f"{type(self).__name__}.forward(mode='loss') must return a dict of losses, got "
+                f"{type(losses).__name__}"
+            )
+        log_vars: dict[str, torch.Tensor] = OrderedDict()
+        for name, value in losses.items():
+            if isinstance(value, torch.Tensor):
+                log_vars[name] = value.mean()
+            elif isinstance(value, Sequence) and value and all(isinstance(v, torch.Tensor) for v in value):
+                log_vars[name] = sum(v.mean() for v in value)
+            else:
+                raise TypeError(f"loss {name!r} is a {type(value).__name__}: return a tensor or a list of tensors")
+        loss_terms = [v for k, v in log_vars.items() if "loss" in k]
+        if not loss_terms:
+            raise ValueError(f"{type(self).__name__}.forward(mode='loss') returned no key containing 'loss'")
+        loss = sum(loss_terms)
+        log_vars["loss"] = loss
+        return loss, OrderedDict((k, v.detach()) for k, v in log_vars.items())
+
+    def _run_forward(self, data: Any, mode: str) -> Any:
+        if isinstance(data, Mapping):
+            return self(**data, mode=mode)
+        if isinstance(data, (list, tuple)):
+            return self(*data, mode=mode)
+        return self(data, mode=mode)
+
+    def forward(self, *inputs: Any, mode: str = "tensor", **kwargs: Any) -> Any:  # pragma: no cover
+        raise NotImplementedError(f"{type(self).__name__} must implement forward(..., mode)")

@@ -1,0 +1,164 @@
+"""Registries: turn ``dict(type='AdamW', lr=1e-3)`` into an object.
+
+``type`` is a registered name, a class or any callable. Keyword arguments are checked against the
+callable's signature before the call, so a misspelt key fails with the key and the nearest valid one
+instead of a ``TypeError`` from deep inside torch.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from memfit.errors import ConfigError, did_you_mean
+
+
+class Registry:
+    """A name -> callable table with lazy fall-backs (e.g. every ``torch.optim`` class)."""
+
+    def __init__(self, name: str, lazy: Callable[[], dict[str, Any]] | None = None) -> None:
+        self.name = name
+        self._table: dict[str, Any] = {}
+        self._lazy = lazy
+        self._lazy_loaded = False
+
+    def register(self, obj: Any = None, *, name: str | None = None, force: bool = False) -> Any:
+        """Register ``obj`` under ``name`` (default: its ``__name__``); usable as a decorator."""
+
+        def add(o: Any) -> Any:
+            key = name or o.__name__
+            if key in self._table and self._table[key] is not o and not force:
+                raise KeyError(f"{key!r} is already registered in the {self.name} registry")
+            self._table[key] = o
+            return o
+
+        return add if obj is None else add(obj)
+
+    def _names(self) -> dict[str, Any]:
+        if self._lazy is not None and not self._lazy_loaded:
+            self._lazy_loaded = True
+            for key, value in self._lazy().items():
+                self._table.setdefault(key, value)
+        return self._table
+
+    def get(self, name: str) -> Any:
+        """Look ``name`` up; an unknown name raises ConfigError listing the nearest names."""
+        table = self._names()
+        if name in table:
+            return table[name]
+        raise ConfigError(f"unknown {self.name} type {name!r}: {did_you_mean(name, table)}")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._names()
+
+    def names(self) -> list[str]:
+        return sorted(self._names())
+
+    def build(self, cfg: Any, *, key: str | None = None, **defaults: Any) -> Any:
+        """Build ``cfg`` (a dict with ``type``); objects that are not dicts are returned as they are.
+
+        ``defaults`` fill arguments the config does not set (e.g. ``params`` for an optimizer).
+        ``key`` names the config section in error messages.
+        """
+        if not isinstance(cfg, dict):
+            return cfg
+        cfg = dict(cfg)
+        if "type" not in cfg:
+            where = key or self.name
+            raise ConfigError(f"{where}: missing 'type' (one of: {', '.join(self.names()[:10])}, ...)")
+        kind = cfg.pop("type")
+        target = self.get(kind) if isinstance(kind, str) else kind
+        kwargs = {**defaults, **cfg}
+        check_kwargs(target, kwargs, key or f"{self.name} {getattr(target, '__name__', kind)}")
+        return target(**kwargs)
+
+
+def check_kwargs(target: Callable, kwargs: dict[str, Any], where: str) -> None:
+    """Raise ConfigError if ``kwargs`` holds a key ``target`` does not accept."""
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    valid = [n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL]
+    for k in kwargs:
+        if k not in valid:
+            raise ConfigError(f"{where}: unknown key {k!r}: {did_you_mean(k, valid)}")
+
+
+def _torch_optimizers() -> dict[str, Any]:
+    import torch.optim
+
+    table = {
+        n: getattr(torch.optim, n)
+        for n in dir(torch.optim)
+        if inspect.isclass(getattr(torch.optim, n)) and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)
+    }
+    try:  # timm's optimizers (Lars/Larc, Lamb, AdamP, ...) when timm is installed
+        import timm.optim
+
+        for n in dir(timm.optim):
+            obj = getattr(timm.optim, n)
+            if inspect.isclass(obj) and issubclass(obj, torch.optim.Optimizer):
+                table.setdefault(n, obj)
+    except ImportError:
+        pass
+    return table
+
+
+def _torch_schedulers() -> dict[str, Any]:
+    import torch.optim.lr_scheduler as sched
+
+    return {
+        n: getattr(sched, n)
+        for n in dir(sched)
+        if inspect.isclass(getattr(sched, n)) and n.endswith(("LR", "Annealing", "AnnealingLR", "Plateau"))
+    }
+
+
+def _torchvision_transforms() -> dict[str, Any]:
+    import torchvision.transforms.v2 as T
+
+    return {n: getattr(T, n) for n in dir(T) if inspect.isclass(getattr(T, n))}
+
+
+def _collate_fns() -> dict[str, Any]:
+    from torch.utils.data import default_collate
+
+    return {"default_collate": default_collate, "pseudo_collate": pseudo_collate}
+
+
+def pseudo_collate(batch: list) -> list:
+    """MMEngine's pseudo_collate: keep the batch as a list of samples (variable-size boxes)."""
+    return batch
+
+
+MODELS = Registry("model")
+OPTIMIZERS = Registry("optimizer", _torch_optimizers)
+OPTIM_WRAPPERS = Registry("optim_wrapper")
+PARAM_SCHEDULERS = Registry("param_scheduler", _torch_schedulers)
+STRATEGIES = Registry("strategy")
+HOOKS = Registry("hook")
+DATASETS = Registry("dataset")
+TRANSFORMS = Registry("transform", _torchvision_transforms)
+DATA_SAMPLERS = Registry("sampler")
+COLLATE_FNS = Registry("collate_fn", _collate_fns)
+METRICS = Registry("metric")
+
+
+def copy_cfg(cfg: Any) -> Any:
+    """A deep copy of a config value that leaves modules, classes and callables shared."""
+    if isinstance(cfg, dict):
+        return {k: copy_cfg(v) for k, v in cfg.items()}
+    if isinstance(cfg, list):
+        return [copy_cfg(v) for v in cfg]
+    if isinstance(cfg, tuple):
+        return tuple(copy_cfg(v) for v in cfg)
+    return cfg if callable(cfg) or not _copyable(cfg) else copy.copy(cfg)
+
+
+def _copyable(v: Any) -> bool:
+    return isinstance(v, (int, float, str, bool, type(None)))

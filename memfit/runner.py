@@ -1,0 +1,399 @@
+"""Runner / FlexibleRunner: build everything from config or live objects, then run the loops.
+
+The runner owns no training logic: it builds the model, data, optimizer wrapper, schedulers, hooks
+and loops, asks the strategy to prepare the model, and saves/restores the state a resume needs.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from memfit import dist
+from memfit.errors import ConfigError, did_you_mean
+from memfit.hooks.base import Hook, get_priority
+from memfit.logger import MessageHub, get_logger
+from memfit.registry import HOOKS, MODELS, copy_cfg
+
+# The seeds' default hooks; entries of ``default_hooks`` replace or (set to None) remove them.
+DEFAULT_HOOKS: dict[str, dict] = dict(
+    runtime_info=dict(type="RuntimeInfoHook"),
+    timer=dict(type="IterTimerHook"),
+    sampler_seed=dict(type="DistSamplerSeedHook"),
+    logger=dict(type="LoggerHook", interval=10),
+    param_scheduler=dict(type="ParamSchedulerHook"),
+    checkpoint=dict(type="CheckpointHook", interval=1),
+)
+
+
+class Runner:
+    """MMEngine's Runner API on memfit. Pass live objects or config dicts (see the seeds)."""
+
+    def __init__(
+        self,
+        model: nn.Module | dict,
+        work_dir: str,
+        train_dataloader: Any = None,
+        val_dataloader: Any = None,
+        test_dataloader: Any = None,
+        train_cfg: dict | None = None,
+        val_cfg: dict | None = None,
+        test_cfg: dict | None = None,
+        auto_scale_lr: dict | None = None,
+        optim_wrapper: Any = None,
+        param_scheduler: Any = None,
+        val_evaluator: Any = None,
+        test_evaluator: Any = None,
+        default_hooks: dict | None = None,
+        custom_hooks: list | None = None,
+        data_preprocessor: dict | None = None,
+        load_from: str | None = None,
+        resume: bool | str = False,
+        launcher: str = "none",
+        env_cfg: dict | None = None,
+        log_processor: dict | None = None,
+        log_level: str = "INFO",
+        visualizer: Any = None,
+        default_scope: str | None = None,
+        randomness: dict | None = None,
+        experiment_name: str | None = None,
+        strategy: Any = None,
+        compile: bool | dict = False,
+        cfg: dict | None = None,
+    ) -> None:
+        from memfit.config.schema import CONFIG_KEYS, EnvCfg, Randomness, TrainCfg
+        from memfit.strategies import build_strategy
+
+        self.cfg = dict(cfg or {})
+        for key in self.cfg:
+            if key not in CONFIG_KEYS and not key.startswith("_"):
+                raise ConfigError(f"cfg: unknown key {key!r}: {did_you_mean(key, CONFIG_KEYS)}")
+        self.work_dir = Path(work_dir).resolve()
+        self.experiment_name = experiment_name
+        self._train_cfg = TrainCfg.from_dict(train_cfg, "train_cfg") if train_cfg is not None else None
+        self._val_cfg, self._test_cfg = val_cfg, test_cfg
+        self._train_dataloader_cfg, self._val_dataloader_cfg = train_dataloader, val_dataloader
+        self._test_dataloader_cfg = test_dataloader
+        self._optim_wrapper_cfg, self._param_scheduler_cfg = optim_wrapper, param_scheduler
+        self._val_evaluator_cfg, self._test_evaluator_cfg = val_evaluator, test_evaluator
+        self._auto_scale_lr = auto_scale_lr
+        self.load_from, self.resume_from = load_from, resume
+        self.compile = compile
+        self.launcher = launcher
+
+        # Environment: process group and device first, then seeds, then files and the logger.
+        env = EnvCfg.from_dict(env_cfg, "env_cfg")
+        self.strategy = build_strategy(strategy if strategy is not None else self._strategy_from_cfg())
+        self.strategy.setup_env(launcher, {"dist_cfg": env.dist_cfg, "cudnn_benchmark": env.cudnn_benchmark})
+        self.randomness = Randomness.from_dict(randomness, "randomness")
+        self.seed = self._set_seed(self.randomness)
+        self.timestamp = dist.broadcast_object(time.strftime("%Y%m%d_%H%M%S"))
+        self.log_dir = self.work_dir / self.timestamp
+        if dist.is_main_process():
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.logger = get_logger(self.log_dir / f"{self.timestamp}.log" if dist.is_main_process() else None,
+                                 log_level)
+        self.message_hub = MessageHub()
+        self.logger.info(
+            f"memfit: torch {torch.__version__}, {self.strategy.__class__.__name__} on {self.device}, "
+            f"world size {dist.get_world_size()}, seed {self.seed}"
+        )
+
+        if isinstance(model, dict) and data_preprocessor is not None:
+            model = {**model, "data_preprocessor": data_preprocessor}
+        self.model: nn.Module = MODELS.build(model, key="model")
+        if not isinstance(self.model, nn.Module):
+            raise ConfigError(f"model must be an nn.Module or a config dict, got {type(self.model).__name__}")
+        self.optim_wrapper: Any = None
+        self.param_schedulers: list = []
+        self.train_loop: Any = None
+        self.val_loop: Any = None
+        self.test_loop: Any = None
+        self.train_dataloader = self.val_dataloader = self.test_dataloader = None
+        self._prepared = False
+        self._hooks: list[Hook] = []
+        self._register_hooks(default_hooks, custom_hooks)
+        monitor = self.cfg.get("memory_monitor")
+        if monitor:
+            self.register_hook({"type": "MemoryMonitorHook", **(monitor if isinstance(monitor, dict) else {})},
+                               key="memory_monitor")
+        self._cfg_to_dump: dict | None = None
+
+    # -- construction from a config ------------------------------------------------------------
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> Runner:
+        """Build a runner from a config (``Config`` or dict): top-level keys are the arguments."""
+        from memfit.config.schema import RUNNER_KEYS, TECHNIQUE_KEYS, validate_config
+
+        cfg = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+        validate_config(cfg)
+        if "work_dir" not in cfg:
+            raise ConfigError("work_dir is not set: add work_dir='./work_dirs/NAME' or pass --work-dir")
+        kwargs = {k: copy_cfg(v) for k, v in cfg.items() if k in RUNNER_KEYS and k != "cfg"}
+        kwargs["cfg"] = {**(cfg.get("cfg") or {}), **{k: cfg[k] for k in TECHNIQUE_KEYS if k in cfg}}
+        runner = cls(**kwargs)
+        runner._cfg_to_dump = cfg
+        return runner
+
+    def _strategy_from_cfg(self) -> Any:
+        wrapper = self.cfg.get("model_wrapper_cfg")
+        if wrapper is None:
+            return None
+        from memfit.strategies import strategy_from_model_wrapper
+
+        return strategy_from_model_wrapper(wrapper)
+
+    # -- properties hooks read ------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.strategy.device
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+    @property
+    def epoch(self) -> int:
+        return self.train_loop.epoch if self.train_loop is not None else 0
+
+    @property
+    def iter(self) -> int:
+        return self.train_loop.iter if self.train_loop is not None else 0
+
+    @property
+    def max_epochs(self) -> int:
+        return self.train_loop.max_epochs if self.train_loop is not None else 0
+
+    @property
+    def max_iters(self) -> int:
+        return self.train_loop.max_iters if self.train_loop is not None else 0
+
+    @property
+    def train_loop_by_epoch(self) -> bool:
+        return self.train_loop.by_epoch if self.train_loop is not None else True
+
+    @property
+    def hooks(self) -> list[Hook]:
+        return self._hooks
+
+    # -- seeds ---------------------------------------------------------------------------------
+    def _set_seed(self, randomness: Any) -> int:
+        seed = randomness.seed
+        if seed is None:
+            seed = dist.broadcast_object(random.randint(0, 2**31 - 1))
+        rank_seed = seed + dist.get_rank() if randomness.diff_rank_seed else seed
+        random.seed(rank_seed)
+        np.random.seed(rank_seed % 2**32)
+        torch.manual_seed(rank_seed)
+        if randomness.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False
+        return seed
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def _register_hooks(self, default_hooks: dict | None, custom_hooks: list | None) -> None:
+        merged = dict(DEFAULT_HOOKS)
+        for name, hook in (default_hooks or {}).items():
+            if hook is None:
+                merged.pop(name, None)
+            elif isinstance(hook, dict) and name in merged and "type" not in hook:
+                merged[name] = {**merged[name], **hook}
+            else:
+                merged[name] = hook
+        for name, hook in merged.items():
+            self.register_hook(hook, key=f"default_hooks.{name}")
+        for i, hook in enumerate(custom_hooks or []):
+            self.register_hook(hook, key=f"custom_hooks[{i}]")
+
+    def register_hook(self, hook: Hook | dict, priority: int | str | None = None, key: str = "hook") -> None:
+        """Add a hook (object or config); hooks run in priority order, ties in registration order."""
+        if isinstance(hook, dict):
+            hook = dict(hook)
+            priority = hook.pop("priority", priority)
+            hook = HOOKS.build(hook, key=key)
+        if not isinstance(hook, Hook):
+            raise ConfigError(f"{key}: a hook must subclass memfit.hooks.Hook, got {type(hook).__name__}")
+        if priority is not None:
+            hook.priority = priority
+        p = get_priority(hook.priority)
+        at = len(self._hooks)
+        for i, h in enumerate(self._hooks):
+            if p < get_priority(h.priority):
+                at = i
+                break
+        self._hooks.insert(at, hook)
+
+    def call_hook(self, fn_name: str, **kwargs: Any) -> None:
+        for hook in self._hooks:
+            getattr(hook, fn_name)(self, **kwargs)
+
+    # -- building the pieces -----------------------------------------------------------------
+    def _build_dataloader(self, cfg: Any, key: str) -> Any:
+        from memfit.data import build_dataloader
+
+        return build_dataloader(cfg, seed=self.seed, rank=self.rank, world_size=self.world_size, key=key)
+
+    def _model_transforms(self, model: nn.Module) -> None:
+        """Memory techniques from ``cfg`` (checkpointing, conv-bn folding, ...), before wrapping."""
+        from memfit.memory import apply_memory_techniques
+
+        apply_memory_techniques(model, self.cfg, self._optim_wrapper_cfg, self.logger)
+
+    def _prepare(self, with_optimizer: bool) -> None:
+        if self._prepared:
+            return
+        optim_cfg = self._scaled_optim_cfg() if with_optimizer else None
+        in_backward = bool(self.cfg.get("optimizer_in_backward")) and with_optimizer
+        if in_backward and self.world_size > 1:
+            raise ConfigError("cfg.optimizer_in_backward runs in one process only: gradients would be stepped "
+                              "before they are reduced across ranks; remove it or train on one device")
+        self.model, self.optim_wrapper = self.strategy.prepare(self.model, optim_cfg, self._model_transforms,
+                                                               optimizer_in_backward=in_backward)
+        if self.compile:
+            kwargs = self.compile if isinstance(self.compile, dict) else {}
+            self.strategy.unwrap(self.model).compile(**kwargs)
+        self._prepared = True
+
+    def _scaled_optim_cfg(self) -> Any:
+        cfg = self._optim_wrapper_cfg
+        if cfg is None:
+            raise ConfigError("optim_wrapper is not set: e.g. optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.01))")
+        scale = self._auto_scale_lr
+        if not (isinstance(cfg, dict) and scale and scale.get("enable", False)):
+            return cfg
+        base = scale.get("base_batch_size")
+        if not base:
+            raise ConfigError("auto_scale_lr.base_batch_size is required when auto_scale_lr.enable=True")
+        real = self.train_dataloader.batch_size * self.world_size
+        cfg = copy_cfg(cfg)
+        cfg["optimizer"] = {**cfg["optimizer"], "lr": cfg["optimizer"]["lr"] * real / base}
+        self.logger.info(f"auto_scale_lr: lr scaled by {real}/{base} to {cfg['optimizer']['lr']:.4e}")
+        return cfg
+
+    def _build_eval_loop(self, loader_cfg: Any, evaluator_cfg: Any, loop_cfg: Any, mode: str) -> Any:
+        from memfit.evaluator import Evaluator
+        from memfit.loops import EvalLoop
+
+        if loader_cfg is None or evaluator_cfg is None or loop_cfg is None:
+            given = [n for n, v in ((f"{mode}_dataloader", loader_cfg), (f"{mode}_evaluator", evaluator_cfg),
+                                    (f"{mode}_cfg", loop_cfg)) if v is not None]
+            if given:
+                self.logger.warning(f"{mode} is off: {mode}_dataloader, {mode}_evaluator and {mode}_cfg are all "
+                                    f"needed, only {', '.join(given)} given")
+            return None
+        loader = self._build_dataloader(loader_cfg, f"{mode}_dataloader")
+        setattr(self, f"{mode}_dataloader", loader)
+        fp16 = bool(loop_cfg.get("fp16", False)) if isinstance(loop_cfg, dict) else False
+        return EvalLoop(self, loader, Evaluator(evaluator_cfg), mode=mode, fp16=fp16)
+
+    # -- entry points --------------------------------------------------------------------------
+    def train(self) -> nn.Module:
+        """Train as configured (resuming or loading weights first); returns the model."""
+        from memfit.loops import TrainLoop
+        from memfit.optim.scheduler import build_param_schedulers
+
+        if self._train_cfg is None or self._train_dataloader_cfg is None:
+            raise ConfigError("train() needs train_dataloader and train_cfg (e.g. dict(by_epoch=True, max_epochs=10))")
+        tc = self._train_cfg
+        self.train_dataloader = self._build_dataloader(self._train_dataloader_cfg, "train_dataloader")
+        self.train_loop = TrainLoop(self, self.train_dataloader, by_epoch=tc.by_epoch, max_epochs=tc.max_epochs,
+                                    max_iters=tc.max_iters, val_interval=tc.val_interval, val_begin=tc.val_begin)
+        self.val_loop = self._build_eval_loop(self._val_dataloader_cfg, self._val_evaluator_cfg, self._val_cfg, "val")
+        self._prepare(with_optimizer=True)
+        self.param_schedulers = build_param_schedulers(
+            self._param_scheduler_cfg, self.optim_wrapper.optimizer, by_epoch_run=tc.by_epoch,
+            max_epochs=self.train_loop.max_epochs, max_iters=self.train_loop.max_iters,
+            iters_per_epoch=self.train_loop.iters_per_epoch,
+        )
+        self._dump_config()
+        self._load_or_resume()
+        self.call_hook("before_run")
+        try:
+            self.train_loop.run()
+        finally:
+            self.call_hook("after_run")
+        return self.model
+
+    def val(self) -> dict:
+        """Run the validation loop once (loading ``load_from`` first when set)."""
+        return self._evaluate("val")
+
+    def test(self) -> dict:
+        """Run the test loop once (loading ``load_from`` first when set)."""
+        return self._evaluate("test")
+
+    def _evaluate(self, mode: str) -> dict:
+        loop = self._build_eval_loop(getattr(self, f"_{mode}_dataloader_cfg"),
+                                     getattr(self, f"_{mode}_evaluator_cfg"), getattr(self, f"_{mode}_cfg"), mode)
+        if loop is None:
+            raise ConfigError(f"{mode}() needs {mode}_dataloader, {mode}_evaluator and {mode}_cfg")
+        setattr(self, f"{mode}_loop", loop)
+        self._prepare(with_optimizer=False)
+        if self.load_from:
+            self.load_weights(self.load_from)
+        self.call_hook("before_run")
+        try:
+            return loop.run()
+        finally:
+            self.call_hook("after_run")
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _dump_config(self) -> None:
+        if self._cfg_to_dump is None or not dist.is_main_process():
+            return
+        from memfit.config import dump_config
+
+        dump_config(self._cfg_to_dump, self.log_dir / "config.py")
+
+    def _load_or_resume(self) -> None:
+        from memfit.resume import resume_path
+
+        path = resume_path(self.resume_from, self.work_dir)
+        if path is not None:
+            self.resume(path)
+        elif self.load_from:
+            self.load_weights(self.load_from)
+
+    def load_weights(self, path: str, strict: bool = True, **kwargs: Any) -> None:
+        """``load_from``: model weights only (memfit checkpoint, state dict or .safetensors)."""
+        from memfit.checkpoint import load_weights
+
+        load_weights(self.strategy.unwrap(self.model), path, strict=strict, **kwargs)
+        self.logger.info(f"Loaded weights from {path}")
+
+    def save_checkpoint(self, filename: str, *, meta: dict | None = None) -> Path:
+        """Write the full training state to ``work_dir/filename`` (atomic) and point last_checkpoint at it."""
+        from memfit.checkpoint import write_latest
+        from memfit.resume import collect_state
+
+        state = collect_state(self, meta or {})
+        self.call_hook("before_save_checkpoint", checkpoint=state)
+        path = self.work_dir / filename
+        self.strategy.save_checkpoint(path, state)
+        if dist.is_main_process():
+            write_latest(self.work_dir, filename)
+        return path
+
+    def resume(self, path: str | Path) -> None:
+        """Restore everything ``save_checkpoint`` wrote and continue at the next unseen batch."""
+        from memfit.resume import restore_state
+
+        state = self.strategy.load_checkpoint(path)
+        restore_state(self, state, path)
+        self.call_hook("after_load_checkpoint", checkpoint=state)
+        self.logger.info(f"Resumed from {path} at epoch {self.epoch + 1}, iteration {self.iter}")
+
+
+# The seeds import FlexibleRunner; it is the same engine (it always took ``strategy=``).
+FlexibleRunner = Runner

@@ -1,0 +1,59 @@
+"""Helpers for memfit's own tests: launch a script on N CPU processes (gloo) and collect results.
+
+Distributed tests write a small Python script (or use one under tests/), start it with
+``launch(script, nproc=2)`` through torchrun, and have each rank write its results to
+``$MEMFIT_TEST_OUT/rank{RANK}.json`` (``write_result``); the test then reads them with
+``read_results``. Checking what the ranks wrote, not only the exit status, keeps the tests honest
+when a backend aborts at teardown after the work is done (DeepSpeed with gloo does, rarely).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script: str | Path, nproc: int = 2, args: list[str] | None = None, *, out_dir: str | Path,
+           timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``script`` under torchrun with ``nproc`` CPU processes; results go to ``out_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--master-port={free_port()}", "--master-addr=127.0.0.1", str(script), *(args or [])]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MEMFIT_TEST_OUT": str(out_dir),
+                "CUDA_VISIBLE_DEVICES": "", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def write_result(result: Any, name: str | None = None) -> None:
+    """From inside a launched rank: write ``result`` (JSON-able) for the test to read."""
+    rank = int(os.environ.get("RANK", 0))
+    out = Path(os.environ["MEMFIT_TEST_OUT"]) / f"{name or 'rank'}{rank}.json"
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(out)
+
+
+def read_results(out_dir: str | Path, nproc: int, proc: subprocess.CompletedProcess | None = None,
+                 name: str = "rank") -> list[Any]:
+    """Every rank's result; a missing one fails with the launcher's output, for a readable test failure."""
+    results = []
+    for rank in range(nproc):
+        path = Path(out_dir) / f"{name}{rank}.json"
+        if not path.exists():
+            tail = "" if proc is None else f"\nexit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n" \
+                                           f"stderr:\n{proc.stderr[-4000:]}"
+            raise AssertionError(f"rank {rank} wrote no result ({path}){tail}")
+        results.append(json.loads(path.read_text()))
+    return results

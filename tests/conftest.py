@@ -1,0 +1,16 @@
+"""Shared fixtures: run every test in its own directory, with one CPU thread."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_dir(tmp_path, monkeypatch):
+    """Seeds' snippets write to relative work dirs ('tmp_dir'): keep them inside tmp_path."""
+    monkeypatch.chdir(tmp_path)
+    yield

@@ -1,0 +1,135 @@
+"""OptimWrapper/AmpOptimWrapper: accumulation equals the large batch, last window, AMP, scaler."""
+
+import pytest
+import torch
+from torch import nn
+
+from memfit.errors import ConfigError
+from memfit.optim import AmpOptimWrapper, OptimWrapper
+from memfit.strategies import SingleDeviceStrategy
+
+
+class Linear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def _train(wrapper_cls, batches, k, max_counts, **kw):
+    model = Linear()
+    w = wrapper_cls(torch.optim.SGD(model.parameters(), lr=0.1), accumulative_counts=k, **kw)
+    w.bind(SingleDeviceStrategy(), torch.device("cpu"))
+    w.initialize_count_status(model, 0, max_counts)
+    for x, y in batches:
+        with w.optim_context(model):
+            loss = nn.functional.mse_loss(model(x), y)
+        w.update_params(loss)
+    return model
+
+
+def test_accumulation_equals_large_batch():
+    torch.manual_seed(1)
+    x, y = torch.randn(32, 8), torch.randn(32, 3)
+    micro = [(x[i : i + 4], y[i : i + 4]) for i in range(0, 32, 4)]  # 8 micro-batches of 4
+    large = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 32, 16)]  # 2 batches of 16
+    acc = _train(OptimWrapper, micro, k=4, max_counts=8)
+    ref = _train(OptimWrapper, large, k=1, max_counts=2)
+    for a, b in zip(acc.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_last_incomplete_window_divides_by_real_count():
+    torch.manual_seed(2)
+    x, y = torch.randn(24, 8), torch.randn(24, 3)
+    # 6 micro-batches, k=4: one full window of 4 and a tail of 2 (divided by 2, not 4).
+    micro = [(x[i : i + 4], y[i : i + 4]) for i in range(0, 24, 4)]
+    ref_batches = [(x[:16], y[:16]), (x[16:], y[16:])]
+    acc = _train(OptimWrapper, micro, k=4, max_counts=6)
+    ref = _train(OptimWrapper, ref_batches, k=1, max_counts=2)
+    for a, b in zip(acc.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_no_sync_on_non_final_micro_steps():
+    calls = []
+
+    class Recording(SingleDeviceStrategy):
+        def grad_sync_context(self, model, sync):
+            calls.append(sync)
+            return super().grad_sync_context(model, sync)
+
+    model = Linear()
+    w = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), accumulative_counts=3)
+    w.bind(Recording(), torch.device("cpu"))
+    w.initialize_count_status(model, 0, 7)
+    for _ in range(7):
+        with w.optim_context(model):
+            loss = model(torch.randn(2, 8)).sum()
+        w.update_params(loss)
+    assert calls == [False, False, True, False, False, True, True]
+
+
+def test_bn_warning_with_accumulation(caplog):
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    w = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), accumulative_counts=2)
+    with caplog.at_level("WARNING", logger="memfit"):
+        w.initialize_count_status(model, 0, 10)
+    assert "BatchNorm" in caplog.text
+
+
+def test_bad_options_are_config_errors():
+    p = [nn.Parameter(torch.zeros(1))]
+    with pytest.raises(ConfigError, match="accumulative_counts"):
+        OptimWrapper(torch.optim.SGD(p, lr=0.1), accumulative_counts=0)
+    with pytest.raises(ConfigError, match="clip_grad"):
+        OptimWrapper(torch.optim.SGD(p, lr=0.1), clip_grad=dict(max_nrom=1.0))
+
+
+def test_bf16_amp_on_cpu_trains_and_has_no_scaler():
+    torch.manual_seed(0)
+    model = Linear()
+    w = AmpOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1))
+    w.bind(SingleDeviceStrategy(), torch.device("cpu"))
+    assert w.precision.dtype is torch.bfloat16 and w.scaler is None
+    x, y = torch.randn(64, 8), torch.randn(64, 3)
+    w.initialize_count_status(model, 0, 50)
+    losses = []
+    for _ in range(50):
+        with w.optim_context(model):
+            out = model(x)
+            assert out.dtype is torch.bfloat16
+            loss = nn.functional.mse_loss(out.float(), y)
+        w.update_params(loss)
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def test_fp16_scaler_counts_skipped_steps_and_round_trips():
+    model = Linear()
+    w = AmpOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), dtype="float16", loss_scale="dynamic")
+    w.bind(SingleDeviceStrategy(), torch.device("cpu"))
+    assert w.scaler is not None
+    before = [p.detach().clone() for p in model.parameters()]
+    w.initialize_count_status(model, 0, 10)
+    loss = model(torch.randn(2, 8)).sum() * float("inf")  # overflow: the step must be skipped
+    w.update_params(loss)
+    assert int(w.skipped_steps) == 1
+    for a, b in zip(model.parameters(), before):
+        assert torch.equal(a, b)
+    state = w.state_dict()
+    w2 = AmpOptimWrapper(torch.optim.SGD(Linear().parameters(), lr=0.1), dtype="float16")
+    w2.bind(SingleDeviceStrategy(), torch.device("cpu"))
+    w2.load_state_dict(state)
+    assert w2.scaler.get_scale() == w.scaler.get_scale() and int(w2.skipped_steps) == 1
+
+
+def test_clip_grad_logs_norm():
+    model = Linear()
+    w = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), clip_grad=dict(max_norm=1e-3))
+    w.initialize_count_status(model, 0, 1)
+    w.update_params(model(torch.randn(4, 8)).sum() * 100)
+    assert w.log_scalars()["grad_norm"] > 1e-3
