@@ -11,9 +11,11 @@ model = dict(
     num_classes=_classes,
     img_size=_img,
     patch_size=4,
-    embed_dim=96,
+    embed_dim=128,
     depth=4,
-    num_heads=3,
+    num_heads=4,
+    class_token=False,
+    global_pool='avg',
     drop_path_rate=0.0,
 )
 
@@ -22,7 +24,7 @@ train_dataloader = dict(
     num_workers=2,
     persistent_workers=True,
     sampler=dict(type='DefaultSampler', shuffle=True),
-    dataset=dict(**_data, num_samples=4096, split='train'),
+    dataset=dict(**_data, num_samples=8192, split='train'),
 )
 val_dataloader = dict(
     batch_size=64,
@@ -32,7 +34,7 @@ val_dataloader = dict(
 )
 val_evaluator = dict(type='Accuracy', topk=(1,))
 
-train_cfg = dict(by_epoch=True, max_epochs=3, val_interval=1)
+train_cfg = dict(by_epoch=True, max_epochs=4, val_interval=1)
 val_cfg = dict()
 
 optim_wrapper = dict(
@@ -43,8 +45,8 @@ optim_wrapper = dict(
     clip_grad=dict(max_norm=5.0),
 )
 param_scheduler = [
-    dict(type='LinearLR', start_factor=0.1, by_epoch=False, begin=0, end=50),
-    dict(type='CosineAnnealingLR', by_epoch=False, begin=50, eta_min=1e-5),
+    dict(type='LinearLR', start_factor=0.01, by_epoch=False, begin=0, end=100),
+    dict(type='CosineAnnealingLR', by_epoch=False, begin=100, eta_min=1e-5),
 ]
 
 default_hooks = dict(

@@ -103,7 +103,9 @@ class LoggerHook(Hook):
         if self._bar is not None:
             self._bar.update(1)
         last_in_epoch = runner.train_loop.is_last_iter_of_epoch(batch_idx)
-        if not (self.every_n_train_iters(runner, self.interval) or (last_in_epoch and not self.ignore_last)):
+        due = (self.every_n_inner_iters(batch_idx, self.interval) if runner.train_loop.by_epoch
+               else self.every_n_train_iters(runner, self.interval))
+        if not (due or (last_in_epoch and not self.ignore_last)):
             return
         window = self.interval
         scalars: dict[str, float] = {}
