@@ -48,6 +48,10 @@ class Registry:
         table = self._names()
         if name in table:
             return table[name]
+        if "." in name:  # a dotted import path, as YAML dumps write classes: 'torch.optim.AdamW'
+            obj = _import_path(name)
+            if obj is not None:
+                return obj
         raise ConfigError(f"unknown {self.name} type {name!r}: {did_you_mean(name, table)}")
 
     def __contains__(self, name: str) -> bool:
@@ -87,6 +91,23 @@ def check_kwargs(target: Callable, kwargs: dict[str, Any], where: str) -> None:
     for k in kwargs:
         if k not in valid:
             raise ConfigError(f"{where}: unknown key {k!r}: {did_you_mean(k, valid)}")
+
+
+def _import_path(path: str) -> Any:
+    import importlib
+
+    module, _, attr = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def _torchvision_models() -> dict[str, Any]:
+    """torchvision's model builders by name (resnet18, ...), e.g. as an ImageClassifier backbone."""
+    import torchvision
+
+    return {name: torchvision.models.get_model_builder(name) for name in torchvision.models.list_models()}
 
 
 def _torch_optimizers() -> dict[str, Any]:
@@ -136,7 +157,7 @@ def pseudo_collate(batch: list) -> list:
     return batch
 
 
-MODELS = Registry("model")
+MODELS = Registry("model", _torchvision_models)
 OPTIMIZERS = Registry("optimizer", _torch_optimizers)
 OPTIM_WRAPPERS = Registry("optim_wrapper")
 PARAM_SCHEDULERS = Registry("param_scheduler", _torch_schedulers)
