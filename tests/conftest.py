@@ -14,3 +14,14 @@ def _in_tmp_dir(tmp_path, monkeypatch):
     """Seeds' snippets write to relative work dirs ('tmp_dir'): keep them inside tmp_path."""
     monkeypatch.chdir(tmp_path)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _capture_memfit_logs(caplog):
+    """The 'memfit' logger does not propagate to the root logger: hand caplog its records directly."""
+    import logging
+
+    logger = logging.getLogger("memfit")
+    logger.addHandler(caplog.handler)
+    yield
+    logger.removeHandler(caplog.handler)

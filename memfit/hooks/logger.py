@@ -6,6 +6,7 @@ import datetime
 import json
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,8 @@ class LoggerHook(Hook):
         self._json = None
         self._tb = None
         self._bar = None
+        self._last_val: dict[str, float] = {}
+        self._started = time.perf_counter()
 
     # -- files ---------------------------------------------------------------------------------
     def before_run(self, runner: Any) -> None:
@@ -78,6 +81,7 @@ class LoggerHook(Hook):
 
     # -- train ---------------------------------------------------------------------------------
     def before_train(self, runner: Any) -> None:
+        self._started = time.perf_counter()
         what = "peak CUDA memory allocated" if runner.device.type == "cuda" else "peak process RSS (CPU)"
         runner.logger.info(f"'memory' in log lines: {what}, in MB")
         if is_main_process() and (self.progress_bar or (self.progress_bar is None and sys.stdout.isatty())):
@@ -88,6 +92,11 @@ class LoggerHook(Hook):
 
     def after_train(self, runner: Any) -> None:
         self._close_bar()
+        took = datetime.timedelta(seconds=int(time.perf_counter() - self._started))
+        summary = f"Training finished: {runner.iter} iterations in {took}"
+        if self._last_val:
+            summary += "; last validation: " + "  ".join(f"{k}: {v:.4f}" for k, v in self._last_val.items())
+        runner.logger.info(summary)
 
     def _close_bar(self) -> None:
         if self._bar is not None:
@@ -155,6 +164,8 @@ class LoggerHook(Hook):
     def _after_eval(self, runner: Any, mode: str, metrics: dict) -> None:
         hub = runner.message_hub
         scalars = {k: float(v) for k, v in metrics.items() if _is_number(v)}
+        if mode == "val":
+            self._last_val = dict(scalars)
         for k in ("data_time", "time"):
             if hub.keys(f"{mode}/{k}"):
                 scalars[k] = hub.mean(f"{mode}/{k}")
