@@ -11,7 +11,8 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,coco]'
+	$(BIN)/python -m pip install -q -e '.[test,coco,deepspeed,colossalai]'
+	$(BIN)/python -m pip install -q --no-deps colossalai==0.5.0
 	touch $(STAMP)
 
 demo: venv

@@ -6,6 +6,7 @@ Bad input ends in one line on stderr naming the cause and the fix (exit status 2
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,12 @@ def _load_cfg(args: argparse.Namespace) -> Any:
 
 def _train(args: argparse.Namespace) -> int:
     from memfit.runner import Runner
+
+    if args.gpus and "RANK" not in os.environ:  # --gpus N: hand over to torchrun, which calls us back
+        from memfit.launch import spawn
+
+        return spawn(args.argv, args.gpus, nnodes=args.nnodes, node_rank=args.node_rank,
+                     master_addr=args.master_addr, master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint)
 
     cfg = _load_cfg(args)
     if args.amp:
@@ -81,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a config")
     common(t)
     t.add_argument("--amp", action="store_true", help="mixed precision (AmpOptimWrapper)")
+    t.add_argument("--gpus", type=int, metavar="N",
+                   help="start N processes on this machine under torchrun (CPU processes with gloo when no CUDA)")
+    t.add_argument("--nnodes", type=int, default=1, help="machines taking part (with --gpus)")
+    t.add_argument("--node-rank", type=int, default=0, help="this machine's index in [0, nnodes) (with --gpus)")
+    t.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (with --gpus)")
+    t.add_argument("--master-port", type=int, default=29500, help="free port on node 0 (with --gpus)")
+    t.add_argument("--rdzv-endpoint", help="host:port of a c10d rendezvous instead of --node-rank/--master-addr")
     t.add_argument("--resume", nargs="?", const="auto", default=None,
                    help="resume from the latest checkpoint in the work dir, or from the given file")
     t.set_defaults(func=_train)
@@ -99,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     import os
 
     if getattr(args, "launcher", None) is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:

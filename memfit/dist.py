@@ -69,6 +69,25 @@ def init_process_group(launcher: str, backend: str | None = None, timeout_s: int
     dist.init_process_group(**kwargs)
 
 
+def launcher_from_env(launcher: str) -> str:
+    """'pytorch' when torchrun's variables are set but the launcher was left at 'none' (the seeds'
+    Python snippets build a Runner without ``launcher=``); otherwise ``launcher`` unchanged."""
+    if launcher == "none" and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return "pytorch"
+    return launcher
+
+
+def ensure_process_group(dist_cfg: dict | None = None) -> None:
+    """Join a one-process group when none exists, so DDP/FSDP/ZeRO code also runs unlaunched.
+
+    Uses an in-memory store (no port, no environment variables); the backend follows the device.
+    """
+    if is_distributed():
+        return
+    backend = (dist_cfg or {}).get("backend") or ("nccl" if default_device().type == "cuda" else "gloo")
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
 def _env_from_slurm() -> None:
     """Fill torchrun's variables from Slurm's (one task per GPU)."""
     env = os.environ

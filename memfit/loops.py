@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from memfit.checkpoint import capture_rng_state, restore_rng_state
 from memfit.dist import get_world_size
 
 
@@ -53,14 +54,18 @@ class TrainLoop:
         self.iter = 0  # completed iterations
         self.batch_in_epoch = 0  # completed batches in the current epoch
         self._epoch_end = False
+        self._iter_end = False
 
     # -- position (checkpointed) ---------------------------------------------------------------
     def state_dict(self) -> dict:
         """The position to continue from. During the epoch-end hooks (scheduler stepped, checkpoint
-        being saved) that is the start of the next epoch."""
+        being saved) that is the start of the next epoch; during the iteration-end hooks, where
+        ``self.iter`` is still the index of the iteration just run (MMEngine's ``runner.iter``), it
+        is the iteration after it."""
         if self._epoch_end:
             return {"epoch": self.epoch + 1, "iter": self.iter, "batch_in_epoch": 0}
-        return {"epoch": self.epoch, "iter": self.iter, "batch_in_epoch": self.batch_in_epoch}
+        done = self.iter + 1 if self._iter_end else self.iter
+        return {"epoch": self.epoch, "iter": done, "batch_in_epoch": self.batch_in_epoch}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.iter, self.batch_in_epoch = state["epoch"], state["iter"], state["batch_in_epoch"]
@@ -138,7 +143,9 @@ class TrainLoop:
         if hasattr(self.sampler, "advance"):
             self.sampler.advance(self.dataloader.batch_size * get_world_size())
         self.batch_in_epoch = batch_idx + 1
+        self._iter_end = True
         runner.call_hook("after_train_iter", batch_idx=batch_idx, data_batch=data_batch, outputs=outputs)
+        self._iter_end = False
         self.iter += 1
 
 
@@ -160,6 +167,10 @@ class EvalLoop:
         step = runner.model.val_step if mode == "val" else runner.model.test_step
         autocast = (torch.autocast(runner.device.type) if self.fp16 else torch.autocast(runner.device.type,
                     enabled=False))
+        # Validation must not move the training RNG streams: a run resumed from a checkpoint saved
+        # before (or during) validation does not validate again, yet has to draw the same dropout
+        # masks afterwards. Restored before after_{mode}_epoch, where the best checkpoint is saved.
+        rng = capture_rng_state()
         with torch.no_grad():
             for idx, batch in enumerate(self.dataloader):
                 runner.call_hook(f"before_{mode}_iter", batch_idx=idx, data_batch=batch)
@@ -169,6 +180,7 @@ class EvalLoop:
                 runner.call_hook(f"after_{mode}_iter", batch_idx=idx, data_batch=batch, outputs=outputs)
         size = len(self.dataloader.dataset) if hasattr(self.dataloader, "dataset") else None
         metrics = self.evaluator.evaluate(size)
+        restore_rng_state(rng)
         runner.call_hook(f"after_{mode}_epoch", metrics=metrics)
         runner.call_hook(f"after_{mode}")
         return metrics

@@ -7,13 +7,16 @@ every rank, the message hub, gradients of an unfinished accumulation window, and
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from memfit import __version__, dist
-from memfit.errors import CheckpointError
+from memfit.errors import CheckpointError, ConfigError, did_you_mean
+
+logger = logging.getLogger("memfit")
 
 
 def resume_path(resume: bool | str | None, work_dir: Path) -> Path | None:
@@ -23,11 +26,36 @@ def resume_path(resume: bool | str | None, work_dir: Path) -> Path | None:
     if not resume:
         return None
     if resume is True or resume == "auto":
-        return read_latest(work_dir)
+        path = read_latest(work_dir)
+        if path is None:
+            logger.info(f"resume=True: no checkpoint in {work_dir} yet, training starts from the beginning")
+        return path
     path = Path(resume)
     if not path.exists():
         raise CheckpointError(f"resume={str(resume)!r}: no such checkpoint file")
     return path
+
+
+# load_from=dict(path=..., **LOAD_FROM_OPTIONS): what memfit.checkpoint.load_weights accepts.
+LOAD_FROM_OPTIONS = ("strict", "prefix", "revise_keys", "key_map", "map_location")
+
+
+def load_from_options(load_from: str | Path | dict, **defaults: Any) -> tuple[str, dict]:
+    """Split ``load_from`` (a path, or ``dict(path=..., strict=..., prefix=..., revise_keys=...,
+    key_map=...)``) into the path and the keyword arguments of ``load_weights``; the dict's
+    entries override ``defaults``. An unknown key is a ConfigError naming the nearest valid one."""
+    if isinstance(load_from, str | Path):
+        return str(load_from), defaults
+    if not isinstance(load_from, dict) or "path" not in load_from:
+        raise ConfigError(f"load_from={load_from!r}: give a path, or dict(path=..., strict=False, prefix=...)")
+    options = {k: v for k, v in load_from.items() if k != "path"}
+    for key in options:
+        if key not in LOAD_FROM_OPTIONS:
+            raise ConfigError(f"load_from: unknown key {key!r}: {did_you_mean(key, LOAD_FROM_OPTIONS)}")
+    revise = options.get("revise_keys")
+    if revise is not None:  # configs written as YAML/Python give lists of lists
+        options["revise_keys"] = [tuple(pair) for pair in revise]
+    return str(load_from["path"]), {**defaults, **options}
 
 
 def _sampler(runner: Any) -> Any:
@@ -39,8 +67,20 @@ def _named_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().cpu().clone() for n, p in sorted(model.named_parameters()) if p.grad is not None}
 
 
-def collect_state(runner: Any, meta: dict) -> dict:
-    """Everything a resume needs, as tensors and plain data."""
+def optimizer_name(optimizer: Any) -> str:
+    """The optimizer's class name; ZeRO-1's wrapper reports the optimizer it shards (AdamW, ...),
+    so a ZeRO checkpoint resumes on one device or without ZeRO and vice versa."""
+    inner = getattr(optimizer, "_optim_constructor", None)
+    return getattr(inner, "__name__", None) or type(optimizer).__name__
+
+
+def collect_state(runner: Any, meta: dict, *, save_optimizer: bool = True, save_param_scheduler: bool = True) -> dict:
+    """Everything a resume needs, as tensors and plain data.
+
+    Model and optimizer state go through the strategy (a sharded strategy returns its shards). With
+    ``save_optimizer=False`` / ``save_param_scheduler=False`` (CheckpointHook options) those parts
+    are left out; a resume then starts them afresh.
+    """
     from memfit.checkpoint import capture_rng_state, to_plain
 
     model = runner.strategy.unwrap(runner.model)
@@ -52,7 +92,7 @@ def collect_state(runner: Any, meta: dict) -> dict:
             "torch_version": str(torch.__version__),
             "world_size": dist.get_world_size(),
             "seed": runner.seed,
-            "optimizer": type(wrapper.optimizer).__name__ if wrapper is not None else None,
+            "optimizer": optimizer_name(wrapper.optimizer) if wrapper is not None else None,
             "cfg": to_plain(runner._cfg_to_dump) if runner._cfg_to_dump is not None else None,
             **to_plain(meta),
         },
@@ -67,12 +107,15 @@ def collect_state(runner: Any, meta: dict) -> dict:
         if sampler is not None:
             state["sampler"] = sampler.state_dict()
     if wrapper is not None:
-        state["optim_wrapper"] = wrapper.state_dict()
-        state["param_schedulers"] = [s.state_dict() for s in runner.param_schedulers]
-        if wrapper.inner_count % wrapper.accumulative_counts != 0:
+        if save_optimizer:
+            state["optim_wrapper"] = runner.strategy.optim_state_dict(runner.model, wrapper)
+        if save_param_scheduler:
+            state["param_schedulers"] = [s.state_dict() for s in runner.param_schedulers]
+        if save_optimizer and wrapper.inner_count % wrapper.accumulative_counts != 0:
             # Saved inside an accumulation window: keep the partial gradients so the window completes
-            # exactly as it would have.
-            state["grads"] = _named_grads(model)
+            # exactly as it would have. Per rank: before the window's last micro-step each rank holds
+            # only its own (unsynchronised) sum.
+            state["grads"] = dist.all_gather_object(_named_grads(model))
     return state
 
 
@@ -92,28 +135,8 @@ def restore_state(runner: Any, state: dict, path: str | Path) -> None:
         detail = " ".join(line.strip() for line in first[1:3]) or first[0]
         raise CheckpointError(f"{path}: does not fit the model: {detail}") from None
     wrapper = runner.optim_wrapper
-    if wrapper is not None and "optim_wrapper" in state:
-        saved = state["meta"].get("optimizer")
-        if saved and saved != type(wrapper.optimizer).__name__:
-            raise CheckpointError(
-                f"{path}: saved with optimizer {saved}, the config builds {type(wrapper.optimizer).__name__}: "
-                "resume with the same optimizer, or start from the weights with load_from"
-            )
-        try:
-            wrapper.load_state_dict(state["optim_wrapper"])
-        except (ValueError, KeyError, RuntimeError) as exc:
-            raise CheckpointError(f"{path}: optimizer state does not fit: {exc}") from None
-        saved_scheds = state.get("param_schedulers", [])
-        if len(saved_scheds) != len(runner.param_schedulers):
-            raise CheckpointError(
-                f"{path}: holds {len(saved_scheds)} param schedulers, the config has {len(runner.param_schedulers)}"
-            )
-        for sched, s in zip(runner.param_schedulers, saved_scheds):
-            sched.load_state_dict(s)
-        grads = state.get("grads") or {}
-        for name, p in model.named_parameters():
-            if name in grads:
-                p.grad = grads[name].to(p.device, p.dtype)
+    if wrapper is not None:
+        _restore_optimization(runner, model, wrapper, state, path)
     if runner.train_loop is not None and "loop" in state:
         runner.train_loop.load_state_dict(state["loop"])
         sampler = _sampler(runner)
@@ -126,3 +149,48 @@ def restore_state(runner: Any, state: dict, path: str | Path) -> None:
     elif rngs:
         restore_rng_state(rngs[0])
         runner.logger.warning(f"{path}: saved at world size {len(rngs)}; RNG streams of rank 0 used on every rank")
+
+
+def _restore_optimization(runner: Any, model: torch.nn.Module, wrapper: Any, state: dict, path: Path) -> None:
+    """Optimizer (through the strategy), schedulers and an open accumulation window's gradients."""
+    if "optim_wrapper" not in state:
+        runner.logger.warning(f"{path}: holds no optimizer state (saved with save_optimizer=False): "
+                              "the optimizer starts afresh")
+    else:
+        saved = state["meta"].get("optimizer")
+        if saved and saved != optimizer_name(wrapper.optimizer):
+            raise CheckpointError(
+                f"{path}: saved with optimizer {saved}, the config builds {optimizer_name(wrapper.optimizer)}: "
+                "resume with the same optimizer, or start from the weights with load_from"
+            )
+        try:
+            runner.strategy.load_optim_state_dict(runner.model, wrapper, state["optim_wrapper"])
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise CheckpointError(f"{path}: optimizer state does not fit: {_first_line(exc)}") from None
+    if "param_schedulers" not in state:
+        if runner.param_schedulers:
+            runner.logger.warning(f"{path}: holds no scheduler state (saved with save_param_scheduler=False): "
+                                  "the param schedulers start afresh")
+    else:
+        saved_scheds = state["param_schedulers"]
+        if len(saved_scheds) != len(runner.param_schedulers):
+            raise CheckpointError(
+                f"{path}: holds {len(saved_scheds)} param schedulers, the config has {len(runner.param_schedulers)}: "
+                "resume with the same param_scheduler list"
+            )
+        for sched, s in zip(runner.param_schedulers, saved_scheds):
+            sched.load_state_dict(s)
+    grads = state.get("grads") or []
+    if grads:
+        if len(grads) != dist.get_world_size():
+            runner.logger.warning(f"{path}: saved inside an accumulation window at world size {len(grads)}; "
+                                  "the partial gradients of rank 0 are used on every rank")
+        own = grads[dist.get_rank()] if len(grads) == dist.get_world_size() else grads[0]
+        for name, p in model.named_parameters():
+            if name in own:
+                p.grad = own[name].to(p.device, p.dtype)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

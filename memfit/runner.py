@@ -258,6 +258,8 @@ class Runner:
         if in_backward and self.world_size > 1:
             raise ConfigError("cfg.optimizer_in_backward runs in one process only: gradients would be stepped "
                               "before they are reduced across ranks; remove it or train on one device")
+        if self.train_dataloader is not None:
+            self.strategy.set_micro_batch_size(self.train_dataloader.batch_size)
         self.model, self.optim_wrapper = self.strategy.prepare(self.model, optim_cfg, self._model_transforms,
                                                                optimizer_in_backward=in_backward)
         if self.compile:
@@ -295,7 +297,8 @@ class Runner:
         loader = self._build_dataloader(loader_cfg, f"{mode}_dataloader")
         setattr(self, f"{mode}_dataloader", loader)
         fp16 = bool(loop_cfg.get("fp16", False)) if isinstance(loop_cfg, dict) else False
-        return EvalLoop(self, loader, Evaluator(evaluator_cfg), mode=mode, fp16=fp16)
+        evaluator = Evaluator(evaluator_cfg, dataset_size=len(loader.dataset) if hasattr(loader, "dataset") else None)
+        return EvalLoop(self, loader, evaluator, mode=mode, fp16=fp16)
 
     # -- entry points --------------------------------------------------------------------------
     def train(self) -> nn.Module:
@@ -365,19 +368,27 @@ class Runner:
         elif self.load_from:
             self.load_weights(self.load_from)
 
-    def load_weights(self, path: str, strict: bool = True, **kwargs: Any) -> None:
-        """``load_from``: model weights only (memfit checkpoint, state dict or .safetensors)."""
-        from memfit.checkpoint import load_weights
+    def load_weights(self, path: str | dict, strict: bool = True, **kwargs: Any) -> tuple[list[str], list[str]]:
+        """``load_from``: model weights only (memfit checkpoint, state dict or .safetensors).
 
-        load_weights(self.strategy.unwrap(self.model), path, strict=strict, **kwargs)
+        ``path`` may be ``dict(path=..., strict=..., prefix=..., revise_keys=..., key_map=...)`` (the
+        config form); returns the (missing, unexpected) keys, which are also logged.
+        """
+        from memfit.resume import load_from_options
+
+        path, options = load_from_options(path, strict=strict, **kwargs)
+        missing, unexpected = self.strategy.load_weights(self.model, path, **options)
         self.logger.info(f"Loaded weights from {path}")
+        return missing, unexpected
 
-    def save_checkpoint(self, filename: str, *, meta: dict | None = None) -> Path:
+    def save_checkpoint(self, filename: str, *, meta: dict | None = None, save_optimizer: bool = True,
+                        save_param_scheduler: bool = True) -> Path:
         """Write the full training state to ``work_dir/filename`` (atomic) and point last_checkpoint at it."""
         from memfit.checkpoint import write_latest
         from memfit.resume import collect_state
 
-        state = collect_state(self, meta or {})
+        state = collect_state(self, meta or {}, save_optimizer=save_optimizer,
+                              save_param_scheduler=save_param_scheduler)
         self.call_hook("before_save_checkpoint", checkpoint=state)
         path = self.work_dir / filename
         self.strategy.save_checkpoint(path, state)

@@ -26,7 +26,11 @@ def export_safetensors(checkpoint_path: str | Path, out_path: str | Path) -> Pat
     from safetensors.torch import save_file
 
     checkpoint_path, out_path = Path(checkpoint_path), Path(out_path)
-    state = read_state_dict(checkpoint_path)
+    from memfit.strategies.deepspeed import is_deepspeed_checkpoint, read_deepspeed_state_dict
+
+    # A DeepSpeed checkpoint directory is consolidated by DeepSpeed's zero_to_fp32.
+    deepspeed = is_deepspeed_checkpoint(checkpoint_path)
+    state = read_deepspeed_state_dict(checkpoint_path) if deepspeed else read_state_dict(checkpoint_path)
     tensors: dict[str, torch.Tensor] = {}
     seen_storages: set[int] = set()
     for key in sorted(state):

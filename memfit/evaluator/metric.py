@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memfit.dist import all_gather_object, get_world_size
+from memfit.dist import all_gather_object, get_rank, get_world_size
 from memfit.registry import METRICS
 
 
@@ -29,11 +29,17 @@ class BaseMetric:
         raise NotImplementedError
 
     def evaluate(self, size: int | None = None) -> dict[str, Any]:
-        """Gather results from all ranks (interleaved back into sample order, padding dropped)."""
+        """Gather results from all ranks, interleaved back into sample order.
+
+        The samplers deal global position ``p`` to rank ``p % world_size``, so the i-th result of
+        every rank, rank by rank, restores the order when results are per sample. The padding that
+        evens out the ranks' shares is removed before ``process`` (see :class:`Evaluator`), so a
+        metric that appends one entry per batch does not count the duplicated samples either.
+        """
         results = self.results
         if get_world_size() > 1:
             parts = all_gather_object(results)
-            results = [r for part in parts for r in part]
+            results = [part[i] for i in range(max(map(len, parts), default=0)) for part in parts if i < len(part)]
         if size is not None:
             results = results[:size]
         metrics = self.compute_metrics(results)
@@ -46,16 +52,70 @@ class BaseMetric:
 class Evaluator:
     """Runs every metric over the batches of one validation or test epoch."""
 
-    def __init__(self, metrics: BaseMetric | dict | list) -> None:
+    def __init__(self, metrics: BaseMetric | dict | list, dataset_size: int | None = None) -> None:
         items = metrics if isinstance(metrics, list) else [metrics]
         self.metrics = [METRICS.build(m, key="val_evaluator") for m in items]
+        # With it, the samples a distributed sampler repeats to give every rank the same number of
+        # batches (global positions >= dataset_size) are dropped before the metrics see them.
+        self.dataset_size = dataset_size
+        self._seen = 0  # samples this rank has processed in the current evaluation
 
     def process(self, data_samples: Any, data_batch: Any = None) -> None:
+        world = get_world_size()
+        if self.dataset_size is not None and world > 1:
+            n = _batch_len(data_batch, data_samples)
+            if n is not None:
+                rank, first = get_rank(), self._seen
+                self._seen += n
+                # This rank's k-th sample has global position rank + k * world (DefaultSampler and
+                # torch's DistributedSampler both deal positions round-robin).
+                real = sum(1 for k in range(first, first + n) if rank + k * world < self.dataset_size)
+                if real == 0:
+                    return
+                if real < n:
+                    data_samples, data_batch = _head(data_samples, n, real), _head(data_batch, n, real)
         for m in self.metrics:
             m.process(data_batch, data_samples)
 
     def evaluate(self, size: int | None = None) -> dict[str, Any]:
+        self._seen = 0
         out: dict[str, Any] = {}
         for m in self.metrics:
             out.update(m.evaluate(size))
         return out
+
+
+def _batch_len(data_batch: Any, data_samples: Any) -> int | None:
+    """The number of samples in a batch: the leading size of its first tensor (else of the outputs)."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    for obj in (data_batch, data_samples):
+        for leaf in tree_leaves(obj):
+            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+                return int(leaf.shape[0])
+        if isinstance(obj, list | tuple) and obj and not isinstance(obj[0], torch.Tensor):
+            return len(obj)
+    return None
+
+
+def _head(obj: Any, n: int, k: int) -> Any:
+    """The first ``k`` of ``n`` samples of a batch-like structure.
+
+    Tensors with leading size ``n`` are sliced; a list/tuple of ``n`` per-sample items (data samples,
+    per-image dicts) is cut, unless its items are themselves batch tensors (``(scores, labels)``),
+    which are sliced one by one; dicts are handled per value; anything else is kept.
+    """
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj[:k] if obj.dim() > 0 and obj.shape[0] == n else obj
+    if isinstance(obj, dict):
+        return type(obj)({key: _head(v, n, k) for key, v in obj.items()})
+    if isinstance(obj, list | tuple):
+        batched = all(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n for v in obj)
+        if len(obj) == n and not batched:
+            return obj[:k]
+        items = [_head(v, n, k) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj

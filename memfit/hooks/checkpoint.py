@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import re
+import shutil
+from pathlib import Path
 from typing import Any
 
 from memfit import dist
 from memfit.errors import ConfigError
 from memfit.hooks.base import Hook
 from memfit.registry import HOOKS
+
+# The temporary names memfit.checkpoint.atomic_path writes to (``.<name>.tmp-<pid>``).
+_TEMP_RE = re.compile(r"^\..+\.tmp-\d+$")
 
 
 @HOOKS.register()
@@ -18,7 +25,11 @@ class CheckpointHook(Hook):
     ``save_best='accuracy/top1'`` (or 'auto': the first metric; a prefix such as 'accuracy' matches
     'accuracy/top1') keeps ``best_<metric>_<epoch|iter>_N.pth`` with ``rule`` 'greater' or 'less'
     (default: 'less' for keys containing 'loss', else 'greater'). ``save_last`` also saves at the
-    end of training. Every save updates ``last_checkpoint`` for ``resume=True``.
+    end of training. Every save updates ``last_checkpoint`` for ``resume=True``. ``max_keep_ckpts=K``
+    keeps the K newest periodic checkpoints in the work dir (also those of an earlier, resumed run),
+    never the best one nor the one ``last_checkpoint`` names. ``save_optimizer=False`` /
+    ``save_param_scheduler=False`` write smaller checkpoints that resume with a fresh optimizer /
+    fresh schedulers (with a warning).
     """
 
     priority = "VERY_LOW"
@@ -31,13 +42,17 @@ class CheckpointHook(Hook):
             raise ConfigError(f"default_hooks.checkpoint.rule={rule!r}: use 'greater' or 'less'")
         if out_dir is not None:
             raise ConfigError("default_hooks.checkpoint.out_dir: checkpoints are written to work_dir; remove out_dir")
+        if isinstance(save_best, list | tuple):
+            raise ConfigError(f"default_hooks.checkpoint.save_best={save_best!r}: give one metric name (a string)")
         self.interval, self.by_epoch, self.max_keep = interval, by_epoch, max_keep_ckpts
         self.save_last, self.save_best, self.rule, self.save_begin = save_last, save_best, rule, save_begin
-        self._saved: list[str] = []
+        self.save_optimizer, self.save_param_scheduler = save_optimizer, save_param_scheduler
 
     def before_train(self, runner: Any) -> None:
         if self.by_epoch and not runner.train_loop.by_epoch:
             self.by_epoch = False  # an iteration-based run has no epoch ends to save at
+        if dist.is_main_process():
+            _remove_stale_temp_files(runner)
 
     def after_train_epoch(self, runner: Any) -> None:
         if not self.by_epoch:
@@ -58,14 +73,15 @@ class CheckpointHook(Hook):
             self._save(runner, f"iter_{n}.pth")
 
     def _save(self, runner: Any, name: str) -> None:
-        runner.save_checkpoint(name)
-        if name not in self._saved:
-            self._saved.append(name)
+        runner.save_checkpoint(name, save_optimizer=self.save_optimizer,
+                               save_param_scheduler=self.save_param_scheduler)
         if self.max_keep > 0 and dist.is_main_process():
-            while len(self._saved) > self.max_keep:
-                old = runner.work_dir / self._saved.pop(0)
-                if old.is_file():
-                    old.unlink()
+            from memfit.checkpoint import remove_old
+
+            best = runner.message_hub.get_info("best_ckpt")
+            protect = [runner.work_dir / best] if best else []
+            for path in remove_old(runner.work_dir, self.max_keep, protect=protect):
+                runner.logger.debug(f"max_keep_ckpts={self.max_keep}: removed {path.name}")
 
     def after_val_epoch(self, runner: Any, metrics: dict | None = None) -> None:
         if not self.save_best or not metrics or runner.train_loop is None:
@@ -80,11 +96,14 @@ class CheckpointHook(Hook):
         unit, n = ("epoch", runner.epoch) if runner.train_loop.by_epoch else ("iter", runner.iter)
         name = f"best_{key.replace('/', '_')}_{unit}_{n}.pth"
         previous = hub.get_info("best_ckpt")
+        # Recorded before the save so that the checkpoint itself holds the new best (a run resumed
+        # from it must not save the same best again).
         hub.update_info("best_score", score)
         hub.update_info("best_ckpt", name)
-        runner.save_checkpoint(name)
+        runner.save_checkpoint(name, save_optimizer=self.save_optimizer,
+                               save_param_scheduler=self.save_param_scheduler)
         if previous and previous != name and dist.is_main_process():
-            (runner.work_dir / previous).unlink(missing_ok=True)
+            _remove(runner.work_dir / previous)
         runner.logger.info(f"New best {key}: {score:.4f}, saved {name}")
 
     def _metric_key(self, metrics: dict) -> str:
@@ -97,6 +116,27 @@ class CheckpointHook(Hook):
             return prefixed[0]
         raise ConfigError(f"default_hooks.checkpoint.save_best={self.save_best!r} is not a metric; "
                           f"metrics are: {', '.join(metrics)}")
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint file or sharded checkpoint directory, if it is there."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _remove_stale_temp_files(runner: Any) -> None:
+    """Delete the temporary files of saves that a kill interrupted (they can be as large as a
+    checkpoint). Safe at the start of training: no save of this run is in flight yet."""
+    work_dir = Path(runner.work_dir)
+    if not work_dir.is_dir():
+        return
+    for path in work_dir.iterdir():
+        if _TEMP_RE.match(path.name):
+            with contextlib.suppress(OSError):
+                _remove(path)
+            runner.logger.warning(f"removed {path.name}: the partial file of a save that was interrupted")
 
 
 @HOOKS.register()

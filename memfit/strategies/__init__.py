@@ -7,13 +7,62 @@ from typing import Any
 from memfit.errors import ConfigError
 from memfit.registry import STRATEGIES
 from memfit.strategies.base import Strategy
+from memfit.strategies.colossalai import ColossalAIStrategy
+from memfit.strategies.ddp import DDPStrategy, MemfitDDP, ZeroOptimWrapper
+from memfit.strategies.deepspeed import DeepSpeedStrategy
+from memfit.strategies.fsdp import FSDPStrategy
 from memfit.strategies.single import SingleDeviceStrategy
 
-# Lightning-style short names -> strategy configs (later issues add DDP/FSDP/DeepSpeed entries).
+_DS_OFFLOAD = dict(offload_optimizer=dict(device="cpu"), offload_param=dict(device="cpu"))
+
+# Lightning-style short names -> strategy configs (documented in docs/distributed.md).
 SHORT_NAMES: dict[str, dict[str, Any]] = {
     "single": dict(type="SingleDeviceStrategy"),
     "single_device": dict(type="SingleDeviceStrategy"),
+    "ddp": dict(type="DDPStrategy"),
+    "ddp_find_unused_parameters_true": dict(type="DDPStrategy", find_unused_parameters=True),
+    "ddp_zero": dict(type="DDPStrategy", zero=True),
+    "zero": dict(type="DDPStrategy", zero=True),  # VISSL's OPTIMIZER.name: zero
+    "fsdp": dict(type="FSDPStrategy"),
+    "fsdp_offload": dict(type="FSDPStrategy", cpu_offload=True),
+    "fsdp_shard_grad_op": dict(type="FSDPStrategy", reshard_after_forward=False),
+    "deepspeed": dict(type="DeepSpeedStrategy", zero_optimization=dict(stage=2)),
+    "deepspeed_stage_1": dict(type="DeepSpeedStrategy", zero_optimization=dict(stage=1)),
+    "deepspeed_stage_2": dict(type="DeepSpeedStrategy", zero_optimization=dict(stage=2)),
+    "deepspeed_stage_2_offload": dict(type="DeepSpeedStrategy",
+                                      zero_optimization=dict(stage=2, offload_optimizer=dict(device="cpu"))),
+    "deepspeed_stage_3": dict(type="DeepSpeedStrategy", zero_optimization=dict(stage=3)),
+    "deepspeed_stage_3_offload": dict(type="DeepSpeedStrategy", zero_optimization=dict(stage=3, **_DS_OFFLOAD)),
 }
+
+# MMEngine's ``model_wrapper_cfg`` types -> the strategy that does the same.
+_MODEL_WRAPPERS = {
+    "MMFullyShardedDataParallel": "FSDPStrategy",
+    "FullyShardedDataParallel": "FSDPStrategy",
+    "MMDistributedDataParallel": "DDPStrategy",
+    "DistributedDataParallel": "DDPStrategy",
+}
+
+
+def strategy_from_model_wrapper(cfg: Any) -> Strategy:
+    """The strategy for MMEngine's ``cfg=dict(model_wrapper_cfg=dict(type=..., ...))``.
+
+    ``MMFullyShardedDataParallel`` (with FSDP1 arguments such as ``cpu_offload=True`` or
+    ``auto_wrap_policy``) becomes :class:`FSDPStrategy`; ``MMDistributedDataParallel`` (with DDP
+    arguments) becomes :class:`DDPStrategy`.
+    """
+    if not isinstance(cfg, dict) or "type" not in cfg:
+        raise ConfigError(f"cfg.model_wrapper_cfg={cfg!r}: use dict(type='MMFullyShardedDataParallel', ...) "
+                          "or dict(type='MMDistributedDataParallel', ...)")
+    kind = cfg["type"] if isinstance(cfg["type"], str) else getattr(cfg["type"], "__name__", str(cfg["type"]))
+    if kind not in _MODEL_WRAPPERS:
+        from memfit.errors import did_you_mean
+
+        raise ConfigError(f"cfg.model_wrapper_cfg.type={kind!r}: {did_you_mean(kind, list(_MODEL_WRAPPERS))}")
+    args = {k: v for k, v in cfg.items() if k != "type"}
+    if _MODEL_WRAPPERS[kind] == "FSDPStrategy":
+        return FSDPStrategy(model_wrapper=args)
+    return DDPStrategy(**args)
 
 
 def build_strategy(cfg: Any) -> Strategy:
@@ -34,4 +83,5 @@ def build_strategy(cfg: Any) -> Strategy:
     return STRATEGIES.build(cfg, key="strategy")
 
 
-__all__ = ["Strategy", "SingleDeviceStrategy", "build_strategy", "SHORT_NAMES"]
+__all__ = ["ColossalAIStrategy", "DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy", "MemfitDDP", "SHORT_NAMES",
+           "SingleDeviceStrategy", "Strategy", "ZeroOptimWrapper", "build_strategy", "strategy_from_model_wrapper"]

@@ -20,6 +20,25 @@ from memfit.checkpoint import load_checkpoint as load_state_file
 from memfit.checkpoint import save_checkpoint as save_state_file
 
 
+def launcher_with_group(launcher: str) -> str:
+    """The launcher for backends that always need a process group (DeepSpeed, ColossalAI): under
+    torchrun with ``launcher='none'`` (as the seeds' FlexibleRunner scripts run) join torchrun's group;
+    alone, make a one-process group on a free local port."""
+    import os
+    import socket
+
+    if launcher != "none" or dist.is_distributed():
+        return launcher
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                           ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+            os.environ.setdefault(key, value)
+    return "pytorch"
+
+
 class Strategy:
     """Base strategy: one process, one device. Subclasses override what their backend changes."""
 
@@ -78,6 +97,15 @@ class Strategy:
     def unwrap(self, model: nn.Module) -> nn.Module:
         return getattr(model, "module", model)
 
+    def set_micro_batch_size(self, batch_size: int | None) -> None:
+        """The train loader's per-rank batch size, told before ``prepare`` (DeepSpeed's config needs it)."""
+
+    def load_weights(self, model: nn.Module, path: Any, **options: Any) -> Any:
+        """``load_from``: weights only into the unwrapped model (sharding backends gather around it)."""
+        from memfit.checkpoint import load_weights
+
+        return load_weights(self.unwrap(model), path, **options)
+
     # -- the step ----------------------------------------------------------------------------
     def grad_sync_context(self, model: nn.Module, sync: bool) -> Any:
         """A context in which backward does (sync=True) or does not all-reduce gradients."""
@@ -97,6 +125,23 @@ class Strategy:
     def load_model_state_dict(self, model: nn.Module, state: dict, strict: bool = True) -> Any:
         return self.unwrap(model).load_state_dict(state, strict=strict)
 
+    def optim_state_dict(self, model: nn.Module, wrapper: Any) -> dict:
+        """The optimizer wrapper's state to checkpoint (sharded strategies return their shards)."""
+        return wrapper.state_dict()
+
+    def load_optim_state_dict(self, model: nn.Module, wrapper: Any, state: dict) -> None:
+        """Load ``state`` into ``wrapper``; an optimizer state keyed by parameter name (from a sharded
+        checkpoint read in one process) is mapped onto this optimizer's parameters."""
+        osd = state.get("optimizer")
+        groups = osd.get("param_groups", []) if isinstance(osd, dict) else []
+        if groups and all(isinstance(p, str) for g in groups for p in g["params"]):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(self.unwrap(model), wrapper.optimizer, osd,
+                                     options=StateDictOptions(full_state_dict=True))
+            state = {**state, "optimizer": wrapper.optimizer.state_dict()}
+        wrapper.load_state_dict(state)
+
     def save_checkpoint(self, path: str | Path, state: dict) -> None:
         """Write ``state`` (model/optimizer already converted to state dicts) atomically; rank 0 only."""
         if dist.is_main_process():
@@ -104,4 +149,9 @@ class Strategy:
         dist.barrier()
 
     def load_checkpoint(self, path: str | Path) -> dict:
+        """A checkpoint file, or a sharded directory gathered into full tensors in this process."""
+        if Path(path).is_dir():
+            from memfit.strategies.fsdp import read_sharded_checkpoint
+
+            return read_sharded_checkpoint(path)
         return load_state_file(path)

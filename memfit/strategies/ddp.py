@@ -1,0 +1,146 @@
+"""DDPStrategy: DistributedDataParallel, optionally with ZeRO-1 optimizer-state sharding.
+
+The model is replicated; gradients are all-reduced during backward by DDP's hooks, which fire only
+when the forward ran through the DDP module. The runner calls ``model.train_step``, so the wrapper
+is :class:`MemfitDDP`, a DDP subclass whose ``train_step`` runs the inner BaseModel's step with the
+forward routed through DDP (MMEngine's MMDistributedDataParallel does the same).
+
+ZeRO-1 (VISSL's ``OPTIMIZER.name: zero``): ``DDPStrategy(zero=True)`` or
+``optim_wrapper=dict(type='ZeroOptimWrapper', ...)`` replaces the optimizer with
+``torch.distributed.optim.ZeroRedundancyOptimizer``, so each rank keeps the optimizer state of its
+share of the parameters only. Checkpoints consolidate that state on rank 0 into one file in
+``torch.optim``'s format, which loads at any world size, with or without ZeRO.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+from memfit import dist
+from memfit.errors import ConfigError
+from memfit.optim.wrapper import OptimWrapper
+from memfit.registry import OPTIM_WRAPPERS, STRATEGIES
+from memfit.strategies.base import Strategy
+
+
+class MemfitDDP(DistributedDataParallel):
+    """DDP whose ``train_step`` runs the wrapped BaseModel's step with the forward through DDP."""
+
+    def train_step(self, data: Any, optim_wrapper: Any) -> dict[str, torch.Tensor]:
+        inner = self.module
+        with optim_wrapper.optim_context(self):
+            data = inner.data_preprocessor(data, True)
+            if isinstance(data, Mapping):
+                losses = self(**data, mode="loss")
+            elif isinstance(data, (list, tuple)):
+                losses = self(*data, mode="loss")
+            else:
+                losses = self(data, mode="loss")
+        parsed, log_vars = inner.parse_losses(losses)
+        optim_wrapper.update_params(parsed)
+        return log_vars
+
+    # Evaluation needs no gradient hooks: the inner model's steps are used as they are.
+    def val_step(self, data: Any) -> Any:
+        return self.module.val_step(data)
+
+    def test_step(self, data: Any) -> Any:
+        return self.module.test_step(data)
+
+
+def shard_optimizer(optimizer: torch.optim.Optimizer) -> ZeroRedundancyOptimizer:
+    """The same optimizer (class, parameter groups and hyper-parameters) as a ZeroRedundancyOptimizer.
+
+    Built from a fresh optimizer, so nothing but its configuration is carried over. ZeRO's overlap
+    mode is not used: it needs DDP communication hooks and cannot run with the gloo backend.
+    """
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer
+    if not dist.is_distributed():
+        raise ConfigError("ZeRO optimizer sharding needs a process group: use strategy='ddp' (DDPStrategy)")
+    if any(optimizer.state.values()):
+        raise ConfigError("ZeRO: the optimizer already holds state; shard it before the first step")
+    import inspect
+
+    # ``defaults`` may hold keys the constructor does not take (AdamW's decoupled_weight_decay).
+    accepted = inspect.signature(type(optimizer)).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    groups = [dict(g) for g in optimizer.param_groups]
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **defaults)
+
+
+@OPTIM_WRAPPERS.register()
+class ZeroOptimWrapper(OptimWrapper):
+    """OptimWrapper over a ZeroRedundancyOptimizer (ZeRO-1): ``optim_wrapper=dict(type='ZeroOptimWrapper',
+    optimizer=dict(type='SGD', lr=0.1))``. Requires DDPStrategy; equivalent to ``DDPStrategy(zero=True)``."""
+
+    def bind(self, strategy: Any, device: torch.device) -> None:
+        if not isinstance(strategy, DDPStrategy):
+            raise ConfigError(f"optim_wrapper.type='ZeroOptimWrapper' needs strategy='ddp' (DDPStrategy), "
+                              f"not {type(strategy).__name__}; FSDPStrategy already shards the optimizer")
+        super().bind(strategy, device)
+        self.optimizer = shard_optimizer(self.optimizer)
+
+
+@STRATEGIES.register()
+class DDPStrategy(Strategy):
+    """Data parallel with DistributedDataParallel; ``zero=True`` shards optimizer state (ZeRO-1).
+
+    ``find_unused_parameters``, ``broadcast_buffers`` and ``static_graph`` are DDP's options; any
+    other keyword (``bucket_cap_mb``, ``gradient_as_bucket_view``, ...) is passed to DDP as well.
+    ``device_ids`` is set only on CUDA (DDP on CPU takes none).
+    """
+
+    def __init__(self, find_unused_parameters: bool = False, broadcast_buffers: bool = True,
+                 static_graph: bool = False, zero: bool = False, **ddp_kwargs: Any) -> None:
+        super().__init__()
+        ddp_kwargs.pop("type", None)  # from model_wrapper_cfg=dict(type='MMDistributedDataParallel', ...)
+        import inspect
+
+        # torch 2.14 renamed broadcast_buffers (deprecated) to forward_sync_buffers; buffers are
+        # still synchronised from rank 0 at construction either way.
+        sync_key = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(
+            DistributedDataParallel).parameters else "broadcast_buffers"
+        self.ddp_kwargs = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
+                               **{sync_key: broadcast_buffers}, **ddp_kwargs)
+        self.zero = bool(zero)
+
+    def setup_env(self, launcher: str = "none", env_cfg: dict | None = None) -> None:
+        """As the base, and a one-process group when not launched, so the same config runs anywhere."""
+        super().setup_env(dist.launcher_from_env(launcher), env_cfg)
+        dist.ensure_process_group((env_cfg or {}).get("dist_cfg") or {})
+
+    def prepare(self, model: nn.Module, optim_wrapper: Any = None, transforms: Any = None,
+                optimizer_in_backward: bool = False) -> tuple[nn.Module, Any]:
+        model, wrapper = super().prepare(model, optim_wrapper, transforms, optimizer_in_backward)
+        if wrapper is not None and self.zero:
+            wrapper.optimizer = shard_optimizer(wrapper.optimizer)
+        return model, wrapper
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        if not any(p.requires_grad for p in model.parameters()):
+            return model  # nothing to synchronise (evaluation of a frozen model); DDP would refuse it
+        device_ids = [self.device] if self.device.type == "cuda" else None
+        return MemfitDDP(model, device_ids=device_ids, **self.ddp_kwargs)
+
+    def grad_sync_context(self, model: nn.Module, sync: bool) -> Any:
+        """DDP's ``no_sync`` on non-final micro-steps: the forward inside it skips preparing the
+        all-reduce, so the backward that follows (outside the context) only accumulates locally."""
+        if not sync and isinstance(model, DistributedDataParallel):
+            return model.no_sync()
+        return super().grad_sync_context(model, sync)
+
+    def optim_state_dict(self, model: nn.Module, wrapper: Any) -> dict:
+        """ZeRO: every rank sends its shard to rank 0, which holds the whole state (others hold none)."""
+        optimizer = wrapper.optimizer
+        if not isinstance(optimizer, ZeroRedundancyOptimizer):
+            return wrapper.state_dict()
+        optimizer.consolidate_state_dict(to=0)
+        # Only rank 0 writes the (file) checkpoint; the other ranks' copy is never saved.
+        return wrapper.state_dict() if dist.is_main_process() else {}

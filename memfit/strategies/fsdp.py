@@ -1,0 +1,496 @@
+"""FSDPStrategy: FSDP2 (``torch.distributed.fsdp.fully_shard``) per block, and sharded checkpoints.
+
+Parameters, gradients and optimizer state are sharded over the ranks; each FSDP unit all-gathers
+its parameters just before its forward (and again in backward) and frees them after. Which modules
+become units comes from, in order of precedence:
+
+- ``wrap_modules=['SwinTransformerBlock', 'backbone.layers.0', MyBlock]``: class names, module names
+  or classes;
+- ``model_wrapper=dict(auto_wrap_policy=...)`` (the seeds' FSDP1 form): a policy callable such as
+  ``partial(size_based_auto_wrap_policy, min_num_params=1e7)`` or ``transformer_auto_wrap_policy``,
+  or a policy object such as ``ModuleWrapPolicy({Block})``, evaluated over the module tree exactly
+  as FSDP1 would, to pick the units;
+- nothing: the model's repeated block types (every module class that occurs at least twice and
+  holds parameters; the outermost such modules become units).
+
+The root module is always the last unit. Activation checkpointing (the runner's transforms) is
+installed before wrapping, on the module's ``forward``, so a checkpointed block recomputes inside
+its own FSDP unit's all-gather, once. Checkpoints are ``torch.distributed.checkpoint`` directories
+that each rank writes its shards into; they load at any world size, and in one process without a
+process group (:func:`read_sharded_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from memfit import dist
+from memfit.errors import CheckpointError, ConfigError, did_you_mean
+from memfit.registry import STRATEGIES
+from memfit.strategies.base import Strategy
+
+# FSDP1 constructor arguments accepted in ``model_wrapper`` / ``model_wrapper_cfg`` (MMEngine's
+# MMFullyShardedDataParallel). Ones with no FSDP2 meaning are accepted and ignored (listed below).
+_WRAPPER_KEYS = ("type", "auto_wrap_policy", "cpu_offload", "mixed_precision", "sharding_strategy",
+                 "use_orig_params", "sync_module_states", "device_id", "limit_all_gathers",
+                 "forward_prefetch", "backward_prefetch", "param_init_fn", "reshard_after_forward")
+_IGNORED_WRAPPER_KEYS = ("type", "use_orig_params", "device_id", "limit_all_gathers", "forward_prefetch",
+                         "backward_prefetch", "param_init_fn")
+EXTRA_STATE_FILE = "extra_state.pth"  # the plain (non-tensor-sharded) part of a sharded checkpoint
+
+
+class ShardedEntry:
+    """Stands for a tensor entry (model or optimizer) of a sharded checkpoint not yet read.
+
+    :meth:`FSDPStrategy.load_checkpoint` returns these in place of the model and optimizer state so
+    that each rank later reads only its own shards straight into the sharded model and optimizer.
+    """
+
+    def __init__(self, path: Path, key: str) -> None:
+        self.path, self.key = path, key
+
+    def __repr__(self) -> str:
+        return f"ShardedEntry({str(self.path)!r}, {self.key!r})"
+
+
+@STRATEGIES.register()
+class FSDPStrategy(Strategy):
+    """Fully sharded data parallel with FSDP2, one unit per block.
+
+    ``reshard_after_forward`` frees gathered parameters after each unit's forward (ZeRO-3; False
+    keeps them until backward, ZeRO-2-like). ``cpu_offload`` keeps the sharded parameters,
+    gradients and optimizer state on the CPU. ``mixed_precision=dict(param_dtype='bfloat16',
+    reduce_dtype='float32')`` computes in the parameter dtype and reduces gradients in the reduce
+    dtype. ``state_dict_type='sharded'`` saves DCP directories; ``'full'`` gathers everything into
+    one file on rank 0. ``activation_checkpointing`` (names/types, as ``cfg.activation_checkpointing``)
+    is applied before sharding. ``model_wrapper`` takes the seeds' FSDP1 arguments.
+    """
+
+    def __init__(
+        self,
+        wrap_modules: Iterable[Any] | None = None,
+        model_wrapper: dict | None = None,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool | Any = False,
+        mixed_precision: dict | Any = None,
+        state_dict_type: str = "sharded",
+        state_dict_cfg: str | dict | None = None,
+        activation_checkpointing: Any = None,
+        sync_module_states: bool = True,
+        skip_init_weights: bool = False,
+    ) -> None:
+        super().__init__()
+        wrapper = dict(model_wrapper or {})
+        unknown = sorted(set(wrapper) - set(_WRAPPER_KEYS))
+        if unknown:
+            raise ConfigError(f"FSDPStrategy.model_wrapper: unsupported key {unknown[0]!r}: "
+                              f"{did_you_mean(unknown[0], _WRAPPER_KEYS)}")
+        self.wrap_modules = list(wrap_modules) if wrap_modules is not None else None
+        self.auto_wrap_policy = wrapper.get("auto_wrap_policy")
+        if self.auto_wrap_policy is not None and not callable(self.auto_wrap_policy) \
+                and not hasattr(self.auto_wrap_policy, "_run_policy"):
+            raise ConfigError(f"FSDPStrategy.model_wrapper.auto_wrap_policy={self.auto_wrap_policy!r}: use a policy "
+                              "callable, e.g. partial(size_based_auto_wrap_policy, min_num_params=1e7)")
+        self.reshard_after_forward = _reshard_from(wrapper, reshard_after_forward)
+        self.cpu_offload = _offload_flag(wrapper.get("cpu_offload", cpu_offload))
+        self.mixed_precision = _mp_policy(wrapper.get("mixed_precision", mixed_precision))
+        self.sync_module_states = bool(wrapper.get("sync_module_states", sync_module_states))
+        if isinstance(state_dict_cfg, str):  # MMEngine: 'local' (sharded) or 'full'
+            state_dict_type = "full" if state_dict_cfg == "full" else "sharded"
+        elif isinstance(state_dict_cfg, dict):
+            kind = str(state_dict_cfg.get("state_dict_type", "")).lower()
+            state_dict_type = "full" if "full" in kind else "sharded"
+        if state_dict_type not in ("sharded", "full"):
+            raise ConfigError(f"FSDPStrategy.state_dict_type={state_dict_type!r}: use 'sharded' or 'full'")
+        self.state_dict_type = state_dict_type
+        self.activation_checkpointing = activation_checkpointing
+        self.units: list[str] = []  # names of the modules sharded as units (root last, as '')
+
+    # -- environment -------------------------------------------------------------------------
+    def setup_env(self, launcher: str = "none", env_cfg: dict | None = None) -> None:
+        """As the base, and a one-process group when not launched, so FSDP also runs in one process."""
+        super().setup_env(dist.launcher_from_env(launcher), env_cfg)
+        dist.ensure_process_group((env_cfg or {}).get("dist_cfg") or {})
+
+    # -- wrapping ----------------------------------------------------------------------------
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        if self.activation_checkpointing:
+            from memfit.memory.checkpointing import apply_activation_checkpointing
+
+            apply_activation_checkpointing(model, self.activation_checkpointing)
+        if self.sync_module_states and dist.get_world_size() > 1:
+            _broadcast_module_states(model)
+        mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
+        offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.cpu_offload else OffloadPolicy()
+        mp = MixedPrecisionPolicy(**self.mixed_precision) if self.mixed_precision else MixedPrecisionPolicy()
+        kwargs = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=mp,
+                      offload_policy=offload)
+        units = select_units(model, self.wrap_modules, self.auto_wrap_policy)
+        # Children before parents: FSDP2 requires nested units to be sharded bottom-up.
+        for name in sorted(units, key=lambda n: -n.count(".")):
+            fully_shard(units[name], **kwargs)
+        fully_shard(model, **kwargs)
+        self.units = [*sorted(units), ""]
+        return model
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model  # fully_shard keeps the module (and its class's train_step) in place
+
+    # -- the step ----------------------------------------------------------------------------
+    def grad_sync_context(self, model: nn.Module, sync: bool) -> Any:
+        """Reduce-scatter gradients only when ``sync``; the flag stays set for the backward that
+        follows the forward (it runs after this context closes), and every micro-step sets it anew."""
+        if hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0, **kw: Any):
+        """Clip sharded (DTensor) gradients by their global norm; the norm is returned as a plain tensor."""
+        norm = nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, **kw)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    # -- state -------------------------------------------------------------------------------
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Sharded (DTensor) state for a sharded checkpoint; gathered full tensors (on CPU, rank 0) for 'full'."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = self.state_dict_type == "full"
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+
+    def optim_state_dict(self, model: nn.Module, wrapper: Any) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        full = self.state_dict_type == "full"
+        state = wrapper.state_dict()
+        state["optimizer"] = get_optimizer_state_dict(
+            model, wrapper.optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+        return state
+
+    def load_weights(self, model: nn.Module, path: Any, **options: Any) -> Any:
+        """``load_from`` into the sharded model: every rank reads the full weights and keeps its shards."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        from memfit.checkpoint import read_state_dict, remap_keys
+
+        strict = options.pop("strict", True)
+        state = read_state_dict(path, map_location=options.pop("map_location", "cpu"))
+        state = remap_keys(state, source=str(path), **options)
+        result = set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+        return sorted(result.missing_keys), sorted(result.unexpected_keys)
+
+    def load_model_state_dict(self, model: nn.Module, state: Any, strict: bool = True) -> Any:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            set_model_state_dict,
+        )
+
+        if isinstance(state, ShardedEntry):
+            target = get_model_state_dict(model)
+            _dcp_load(state, target)
+            state = target
+            options = StateDictOptions(strict=strict)
+        else:  # a full state dict from a file checkpoint (every rank holds it)
+            options = StateDictOptions(full_state_dict=True, strict=strict)
+        return set_model_state_dict(model, state, options=options)
+
+    def load_optim_state_dict(self, model: nn.Module, wrapper: Any, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        osd = state["optimizer"]
+        if isinstance(osd, ShardedEntry):
+            target = get_optimizer_state_dict(model, wrapper.optimizer)  # initialises the state to load into
+            _dcp_load(osd, target)
+            set_optimizer_state_dict(model, wrapper.optimizer, target)
+        else:
+            osd = fqn_optim_state(model, wrapper.optimizer, osd)
+            set_optimizer_state_dict(model, wrapper.optimizer, osd, options=StateDictOptions(full_state_dict=True))
+        wrapper.load_state_dict({**state, "optimizer": wrapper.optimizer.state_dict()})
+
+    def save_checkpoint(self, path: str | Path, state: dict) -> None:
+        if self.state_dict_type == "full":
+            return super().save_checkpoint(path, state)
+        save_sharded_checkpoint(path, state)
+
+    def load_checkpoint(self, path: str | Path) -> dict:
+        """A sharded directory: plain extras now, tensors as :class:`ShardedEntry` read in place later."""
+        from memfit.checkpoint import is_dcp_checkpoint
+
+        if not is_dcp_checkpoint(path):
+            return super().load_checkpoint(path)
+        path = Path(path)
+        extras = _read_extras(path)
+        extras["state_dict"] = ShardedEntry(path, "state_dict")
+        if "optim_wrapper" in extras:
+            extras["optim_wrapper"]["optimizer"] = ShardedEntry(path, "optimizer")
+        return extras
+
+
+# -- choosing the units --------------------------------------------------------------------------
+def select_units(model: nn.Module, wrap_modules: list[Any] | None = None,
+                 auto_wrap_policy: Any = None) -> dict[str, nn.Module]:
+    """The modules (by name, root excluded) to shard as FSDP units; see the module docstring."""
+    named = dict(model.named_modules())
+    if wrap_modules is not None:
+        units: dict[str, nn.Module] = {}
+        for spec in wrap_modules:
+            hits = {n: m for n, m in named.items() if _matches(n, m, spec)}
+            if not hits:
+                kinds = sorted({type(m).__name__ for m in named.values()})
+                raise ConfigError(f"FSDPStrategy.wrap_modules: {spec!r} matches no module: "
+                                  f"{did_you_mean(str(spec), [n for n in named if n] + kinds)}")
+            units.update(hits)
+    elif auto_wrap_policy is not None:
+        units = _run_policy(model, auto_wrap_policy)
+    else:
+        units = repeated_blocks(model)
+    units.pop("", None)
+    return units
+
+
+def _matches(name: str, module: nn.Module, spec: Any) -> bool:
+    if isinstance(spec, type):
+        return isinstance(module, spec)
+    return spec == name or spec == type(module).__name__
+
+
+def repeated_blocks(model: nn.Module) -> dict[str, nn.Module]:
+    """The outermost modules whose class (not a container) occurs at least twice in ``model`` and that
+    hold parameters."""
+    counts: dict[type, int] = {}
+    for _, m in model.named_modules():
+        counts[type(m)] = counts.get(type(m), 0) + 1
+    units: dict[str, nn.Module] = {}
+    for name, m in model.named_modules():
+        # Containers repeat in any model (stages are Sequentials) without being a block type.
+        if not name or counts[type(m)] < 2 or isinstance(m, _CONTAINERS) or next(m.parameters(), None) is None:
+            continue
+        if any(name.startswith(f"{u}.") for u in units):
+            continue  # inside a unit already chosen (named_modules is pre-order: outer first)
+        units[name] = m
+    return units
+
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def _run_policy(model: nn.Module, policy: Any) -> dict[str, nn.Module]:
+    """Evaluate an FSDP1 auto-wrap policy over the tree, as FSDP1's ``_recursive_wrap`` does."""
+    names = {m: n for n, m in model.named_modules()}
+    if hasattr(policy, "_run_policy"):  # ModuleWrapPolicy, CustomPolicy, ... (FSDP1 _Policy objects)
+        chosen = policy._run_policy(model, set(), {})
+        return {names[m]: m for m in chosen if m in names}
+    units: dict[str, nn.Module] = {}
+
+    def visit(module: nn.Module) -> int:
+        """Wrap qualifying descendants of ``module``; return its parameter count not yet wrapped."""
+        total = sum(p.numel() for p in module.parameters())
+        if not policy(module=module, recurse=True, nonwrapped_numel=total):
+            return total
+        wrapped = 0
+        for child in module.children():
+            remaining = visit(child)
+            wrapped += sum(p.numel() for p in child.parameters()) - remaining
+        remaining = total - wrapped
+        if module is not model and policy(module=module, recurse=False, nonwrapped_numel=remaining):
+            units[names[module]] = module
+            return 0
+        return remaining
+
+    visit(model)
+    return units
+
+
+# -- option parsing ------------------------------------------------------------------------------
+def _reshard_from(wrapper: dict, default: bool) -> bool:
+    if "reshard_after_forward" in wrapper:
+        return bool(wrapper["reshard_after_forward"])
+    strategy = wrapper.get("sharding_strategy")
+    if strategy is None:
+        return bool(default)
+    name = getattr(strategy, "name", str(strategy)).upper()
+    if name == "FULL_SHARD":
+        return True
+    if name == "SHARD_GRAD_OP":
+        return False
+    raise ConfigError(f"FSDPStrategy.model_wrapper.sharding_strategy={name!r}: use FULL_SHARD or SHARD_GRAD_OP "
+                      "(NO_SHARD is DDPStrategy; hybrid sharding is not supported)")
+
+
+def _offload_flag(value: Any) -> bool:
+    if isinstance(value, bool) or value is None:
+        return bool(value)
+    if isinstance(value, dict):
+        return bool(value.get("offload_params", True))
+    return bool(getattr(value, "offload_params", True))  # FSDP1 CPUOffload / FSDP2 CPUOffloadPolicy
+
+
+def _mp_policy(value: Any) -> dict | None:
+    """``dict(param_dtype=..., reduce_dtype=...)`` or an FSDP1 MixedPrecision as MixedPrecisionPolicy kwargs."""
+    from memfit.precision import parse_dtype
+
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        value = {k: getattr(value, k) for k in ("param_dtype", "reduce_dtype", "output_dtype") if hasattr(value, k)}
+    allowed = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs", "buffer_dtype")
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        raise ConfigError(f"FSDPStrategy.mixed_precision: unknown key {unknown[0]!r}: use param_dtype, reduce_dtype")
+    out = {k: parse_dtype(v, f"FSDPStrategy.mixed_precision.{k}") for k, v in value.items()
+           if k in ("param_dtype", "reduce_dtype", "output_dtype") and v is not None}
+    if "cast_forward_inputs" in value:
+        out["cast_forward_inputs"] = bool(value["cast_forward_inputs"])
+    return out or None
+
+
+def _broadcast_module_states(model: nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank (FSDP1's sync_module_states; DDP does the same).
+
+    Sorted by name so that every rank issues the same collectives in the same order.
+    """
+    with torch.no_grad():
+        for _, t in sorted([*model.named_parameters(), *model.named_buffers()], key=lambda kv: kv[0]):
+            tdist.broadcast(t.data, src=0)
+
+
+# -- sharded checkpoints -------------------------------------------------------------------------
+def save_sharded_checkpoint(path: str | Path, state: dict) -> None:
+    """Write ``state`` as a DCP directory at ``path``, atomically; a collective (every rank calls it).
+
+    The model (``state_dict``) and optimizer (``optim_wrapper.optimizer``) entries are written by
+    ``torch.distributed.checkpoint`` (each rank its own shards); everything else (loop position,
+    sampler, RNG states of every rank, scaler, meta) goes to ``extra_state.pth`` inside the
+    directory, written by rank 0. All of it lands in a temporary directory that rank 0 renames to
+    ``path`` only after every rank has finished, so a crash leaves the previous checkpoint intact.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from memfit.checkpoint import save_checkpoint as save_state_file
+
+    path = Path(path)
+    tensors: dict[str, Any] = {"state_dict": state["state_dict"]}
+    extras = {k: v for k, v in state.items() if k != "state_dict"}
+    if isinstance(state.get("optim_wrapper"), dict) and "optimizer" in state["optim_wrapper"]:
+        tensors["optimizer"] = state["optim_wrapper"]["optimizer"]
+        extras["optim_wrapper"] = {k: v for k, v in state["optim_wrapper"].items() if k != "optimizer"}
+    extras["sharded"] = {"format": "torch.distributed.checkpoint", "entries": sorted(tensors)}
+    token = dist.broadcast_object(secrets.token_hex(4))
+    tmp = path.parent / f".{path.name}.tmp-{token}"
+    if dist.is_main_process():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dcp.save(tensors, checkpoint_id=tmp)
+    if dist.is_main_process():
+        save_state_file(extras, tmp / EXTRA_STATE_FILE)
+        old = path.parent / f".{path.name}.old-{token}"
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+        if old.exists():
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+    dist.barrier()
+
+
+def read_sharded_checkpoint(path: str | Path) -> dict:
+    """A whole sharded checkpoint gathered into full tensors in this process (no process group needed).
+
+    The result has the layout of a file checkpoint, except that ``optim_wrapper.optimizer`` is keyed
+    by parameter name (``get_optimizer_state_dict``'s form); load it with :func:`fqn_optim_state`
+    and ``set_optimizer_state_dict``. Used to resume at another world size with a non-FSDP strategy.
+    """
+    from memfit.checkpoint import read_dcp
+
+    path = Path(path)
+    state = _read_extras(path)
+    tensors = read_dcp(path)
+    state["state_dict"] = tensors["state_dict"]
+    if "optimizer" in tensors:
+        state.setdefault("optim_wrapper", {})["optimizer"] = tensors["optimizer"]
+    return state
+
+
+def fqn_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict) -> dict:
+    """An optimizer state dict keyed by parameter name; ``torch.optim``'s id-keyed form is converted
+    using ``optimizer``'s parameter order (the one it was saved with when the config is the same)."""
+    groups = osd.get("param_groups") or []
+    if all(isinstance(p, str) for g in groups for p in g["params"]):
+        return osd
+    names = {id(p): n for n, p in model.named_parameters()}
+    mapping: dict[Any, str] = {}
+    for saved, live in zip(groups, optimizer.param_groups):
+        if len(saved["params"]) != len(live["params"]):
+            raise CheckpointError("optimizer state does not fit: parameter groups differ in size")
+        mapping.update({i: names[id(p)] for i, p in zip(saved["params"], live["params"])})
+    return {
+        "state": {mapping[i]: s for i, s in osd.get("state", {}).items()},
+        "param_groups": [{**g, "params": [mapping[i] for i in g["params"]]} for g in groups],
+    }
+
+
+def _read_extras(path: Path) -> dict:
+    from memfit.checkpoint import load_checkpoint as load_state_file
+
+    extra = path / EXTRA_STATE_FILE
+    if not extra.is_file():
+        raise CheckpointError(f"{path}: a sharded checkpoint without {EXTRA_STATE_FILE}: not written by memfit")
+    return load_state_file(extra)
+
+
+def _dcp_load(entry: ShardedEntry, target: dict) -> None:
+    """Read ``entry`` of a sharded checkpoint into ``target`` (its tensors are filled in place)."""
+    import torch.distributed.checkpoint as dcp
+
+    from memfit.checkpoint.dcp import SafeFileSystemReader
+
+    box = {entry.key: target}
+    try:
+        dcp.load(box, storage_reader=SafeFileSystemReader(entry.path), planner=_SafeLoadPlanner())
+    except BaseException as exc:  # DCP wraps rank failures in CheckpointException (a BaseException)
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{entry.path}: cannot load {entry.key!r} from the sharded checkpoint: {first}") from exc
+    if box[entry.key] is not target:  # non-tensor leaves are replaced in the box, not in place
+        target.update(box[entry.key])
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner whose non-tensor entries load with ``weights_only=True`` (torch's uses False)."""
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+

@@ -1,0 +1,115 @@
+"""Exact resume after SIGKILL: the losses after a resume equal an uninterrupted run's, bit for bit.
+
+Each run is a subprocess (scripts/train_run.py: dropout, random crops and flips, bf16 autocast,
+AdamW, warm-up + cosine schedule, accumulation k=3, validation with save_best, max_keep_ckpts=2)
+that appends ``iteration float.hex(loss)`` per iteration to a log. A chain of runs in one work dir
+is killed at several positions and resumed with ``resume=True`` each time; every loss any of those
+runs recorded must equal the reference run's loss at that iteration, and the final weights must be
+identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from memfit.checkpoint import find_checkpoints, load_checkpoint, read_latest
+
+SCRIPT = Path(__file__).parent / "scripts" / "train_run.py"
+ITERS = 30  # both configs: 40 samples / batch 4 = 10 iterations per epoch, 3 epochs or 30 iterations
+
+
+def _run(work_dir: Path, log: Path, **opts) -> int:
+    args = json.dumps({"work_dir": str(work_dir), "log": str(log), **opts})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(SCRIPT), args], capture_output=True, text=True, env=env, timeout=240)
+    if proc.returncode not in (0, -signal.SIGKILL):
+        raise AssertionError(f"run {opts} failed with exit {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return proc.returncode
+
+
+def _segments(log: Path) -> list[tuple[int | None, list[tuple[int, str]]]]:
+    """The log split into runs: (iteration it resumed at or None, [(iteration, loss hex)])."""
+    segments: list[tuple[int | None, list[tuple[int, str]]]] = [(None, [])]
+    for line in log.read_text().splitlines():
+        key, value = line.split()
+        if key == "resumed":
+            segments.append((int(value), []))
+        else:
+            segments[-1][1].append((int(key), value))
+    return segments
+
+
+def _reference(tmp_path_factory: pytest.TempPathFactory, **opts) -> tuple[dict[int, str], Path]:
+    root = tmp_path_factory.mktemp("reference")
+    assert _run(root / "work", root / "losses.log", **opts) == 0
+    losses = dict(_segments(root / "losses.log")[0][1])
+    assert sorted(losses) == list(range(ITERS))
+    return losses, root / "work"
+
+
+@pytest.fixture(scope="module")
+def epoch_reference(tmp_path_factory):
+    return _reference(tmp_path_factory, by_epoch=True, num_workers=0)
+
+
+@pytest.fixture(scope="module")
+def iter_reference(tmp_path_factory):
+    return _reference(tmp_path_factory, by_epoch=False, num_workers=2)
+
+
+def _check_chain(tmp_path: Path, reference: tuple[dict[int, str], Path], kills: list[str],
+                 expected_resumes: list[int], **opts) -> None:
+    ref_losses, ref_dir = reference
+    work, log = tmp_path / "work", tmp_path / "losses.log"
+    for kill in kills:
+        assert _run(work, log, resume=True, kill=kill, **opts) == -signal.SIGKILL, f"kill {kill} did not happen"
+    assert _run(work, log, resume=True, **opts) == 0
+
+    segments = _segments(log)
+    assert [start for start, _ in segments] == [None, *expected_resumes], f"kills {kills}"
+    for (start, records), kill in zip(segments, [*kills, "none"]):
+        # No replay, no skip: a resumed run's first iteration is the first one the checkpoint lacks.
+        if start is not None and records:
+            assert records[0][0] == start
+        for it, loss in records:
+            assert loss == ref_losses[it], (
+                f"iteration {it} (run resumed at {start}, killed at {kill}): loss {float.fromhex(loss)!r} "
+                f"!= uninterrupted {float.fromhex(ref_losses[it])!r}"
+            )
+    assert max(it for _, records in segments for it, _ in records) == ITERS - 1
+
+    final, ref_final = load_checkpoint(work / f"iter_{ITERS}.pth"), load_checkpoint(ref_dir / f"iter_{ITERS}.pth")
+    for key, value in ref_final["state_dict"].items():
+        assert torch.equal(final["state_dict"][key], value), key
+    # max_keep_ckpts=2 held across the restarts; no partial file of the interrupted save is left.
+    assert [p.name for p in find_checkpoints(work)] == [f"iter_{ITERS - 5}.pth", f"iter_{ITERS}.pth"]
+    assert not [p.name for p in work.iterdir() if ".tmp-" in p.name]
+    assert read_latest(work) == work / f"iter_{ITERS}.pth"
+
+
+def test_epoch_based_kills_resume_bit_exact(tmp_path, epoch_reference):
+    """Epoch-based, num_workers=0. Kills: mid-epoch with iter_15 (inside an accumulation window:
+    15 % 3 != 0 in epoch 2) as the last checkpoint; right after saving iter_20 (an epoch end, before
+    its validation); during the write of iter_25 (the previous checkpoint must serve); after iter_30
+    is written but before last_checkpoint names it (resumes from iter_25, inside a window)."""
+    kills = ["before:17", "after:20", "save:iter_25.pth", "pointer:iter_30.pth"]
+    _check_chain(tmp_path, epoch_reference, kills, [15, 20, 20, 25], by_epoch=True, num_workers=0)
+
+
+def test_iteration_based_random_kill_resume_bit_exact(tmp_path, iter_reference):
+    """Iteration-based, num_workers=2: a kill at a random iteration, then one right after the
+    save of iter_K that follows it."""
+    k = random.randrange(5, ITERS - 5)  # a checkpoint every 5 iterations: one exists by then
+    after = (k // 5 + 1) * 5
+    kills = [f"before:{k}", f"after:{after}"]
+    last_ckpt = k // 5 * 5
+    _check_chain(tmp_path, iter_reference, kills, [last_ckpt, after], by_epoch=False, num_workers=2)

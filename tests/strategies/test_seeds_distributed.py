@@ -1,0 +1,21 @@
+"""The seeds' FSDP snippets run under torchrun with 2 CPU processes, imports changed only."""
+
+from pathlib import Path
+
+from memfit.testing import launch, read_results
+
+
+def test_seed_fsdp_snippets_under_torchrun(tmp_path):
+    out = tmp_path / "out"
+    proc = launch(Path(__file__).parent / "scripts" / "seeds_fsdp.py", 2, out_dir=out, timeout=240)
+    r0, r1 = read_results(out, 2, proc)
+    # model_wrapper_cfg=MMFullyShardedDataParallel(cpu_offload=True) -> FSDPStrategy with offload, sharded.
+    assert r0["toy"]["strategy"] == "FSDPStrategy" and r0["toy"]["cpu_offload"] and r0["toy"]["world"] == 2
+    assert r0["toy"]["iters"] == 13  # 50 samples, batch 2 per rank -> ceil(25 / 2)
+    assert r0["toy"]["local_numel"] + r1["toy"]["local_numel"] == 1  # the 1x1 weight lives on one rank
+    # size_based_auto_wrap_policy(min_num_params=1e7) over ResNet-50: layer4 (15M), then the rest (10.5M).
+    assert r0["units"] == ["resnet", "resnet.layer4", ""]
+    assert r0["precision"] == "torch.bfloat16"  # AmpOptimWrapper on CPU
+    # 7 validation images: the padded 8th is not counted, and the metric equals one-process evaluation.
+    assert r0["size"] == r1["size"] == 7
+    assert r0["accuracy"] == r1["accuracy"] == r0["expected_accuracy"]
