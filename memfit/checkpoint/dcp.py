@@ -85,8 +85,8 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-class _SafeLoadPlanner(_EmptyStateDictLoadPlanner):
-    """Rebuilds the saved state dict from metadata; non-tensor entries load with weights_only."""
+class WeightsOnlyBytes:
+    """Load-planner mixin: non-tensor entries load with ``weights_only=True`` (torch's planners use False)."""
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
         obj = torch.load(value, weights_only=True)
@@ -94,6 +94,10 @@ class _SafeLoadPlanner(_EmptyStateDictLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+class _SafeLoadPlanner(WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
+    """Rebuilds the saved state dict from metadata; non-tensor entries load with weights_only."""
 
 
 def is_dcp_checkpoint(path: str | Path) -> bool:

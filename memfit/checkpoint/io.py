@@ -135,7 +135,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _fsync_file(path: Path) -> None:
@@ -146,7 +146,7 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     # Makes the rename itself durable; some file systems (and Windows) cannot open a directory.
     with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)

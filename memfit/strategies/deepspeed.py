@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from memfit import dist
+from memfit.checkpoint.io import fsync_dir
 from memfit.errors import CheckpointError, ConfigError
 from memfit.registry import STRATEGIES
 from memfit.strategies.base import Strategy, launcher_with_group
@@ -315,7 +316,7 @@ class DeepSpeedStrategy(Strategy):
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(tmp, path)
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
         dist.barrier()
 
     def load_checkpoint(self, path: str | Path) -> dict:
@@ -344,8 +345,9 @@ class DeepSpeedStrategy(Strategy):
     def load_model_state_dict(self, model: nn.Module, state: Any, strict: bool = True) -> Any:
         if not isinstance(state, EngineState):  # a full state dict
             return self.load_weights(model, state, strict=strict)
-        load_path, _ = self.engine.load_checkpoint(str(state.path), tag=ENGINE_TAG, load_module_strict=strict,
-                                                   load_optimizer_states=True, load_lr_scheduler_states=False)
+        with weights_only_loads():
+            load_path, _ = self.engine.load_checkpoint(str(state.path), tag=ENGINE_TAG, load_module_strict=strict,
+                                                       load_optimizer_states=True, load_lr_scheduler_states=False)
         if load_path is None:
             raise CheckpointError(f"{state.path}: DeepSpeed found no checkpoint under tag {ENGINE_TAG!r}")
         return None
@@ -430,6 +432,43 @@ def is_deepspeed_checkpoint(path: str | Path) -> bool:
     return path.is_dir() and (path / EXTRAS_FILE).is_file() and (path / ENGINE_TAG).is_dir()
 
 
+def _deepspeed_safe_globals() -> list[Any]:
+    """The plain-data classes DeepSpeed pickles into its checkpoint files (enums, loss scalers, sets)."""
+    import collections
+
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, set, collections.OrderedDict, torch.Size]
+
+
+@contextlib.contextmanager
+def weights_only_loads():
+    """Make DeepSpeed's own ``torch.load(weights_only=False)`` calls (engine.load_checkpoint, zero_to_fp32)
+    load with ``weights_only=True`` plus an allowlist of DeepSpeed's data classes, so a DeepSpeed checkpoint
+    directory cannot run code either. Patching is the only hook: DeepSpeed hard-codes the flag."""
+    original = torch.load
+    allowed = _deepspeed_safe_globals()
+
+    def safe_load(*args: Any, **kwargs: Any) -> Any:
+        kwargs["weights_only"] = True
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return original(*args, **kwargs)
+        except Exception as exc:
+            from memfit.checkpoint.io import explain_load_error
+
+            target = Path(str(args[0] if args else kwargs.get("f", "?")))
+            cause = explain_load_error(exc, target) if target.is_file() else str(exc).splitlines()[0]
+            raise CheckpointError(f"cannot load DeepSpeed checkpoint file {target}: {cause}") from None
+
+    torch.load = safe_load
+    try:
+        yield
+    finally:
+        torch.load = original
+
+
 def read_deepspeed_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """The consolidated fp32 weights of a memfit DeepSpeed checkpoint, in one process without a
     process group (DeepSpeed's zero_to_fp32; ZeRO stage 0 checkpoints hold the full module already)."""
@@ -438,12 +477,13 @@ def read_deepspeed_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     if any(engine_dir.glob("*optim_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return dict(get_fp32_state_dict_from_zero_checkpoint(str(path), tag=ENGINE_TAG))
+        with weights_only_loads():
+            return dict(get_fp32_state_dict_from_zero_checkpoint(str(path), tag=ENGINE_TAG))
     files = sorted(engine_dir.glob("mp_rank_*_model_states.pt"))
     if not files:
         raise CheckpointError(f"{path}: no DeepSpeed model states under {ENGINE_TAG}/")
-    # DeepSpeed's own file pickles its config objects; it is read as DeepSpeed reads it (trusted files only).
-    module = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+    with weights_only_loads():
+        module = torch.load(files[0], map_location="cpu")["module"]
     return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
 
 
@@ -454,10 +494,3 @@ def _owned(config: dict, key: str, value: Any, source: str) -> None:
     config[key] = value
 
 
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

@@ -33,10 +33,11 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 from torch import nn
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from memfit import dist
+from memfit.checkpoint.dcp import WeightsOnlyBytes
+from memfit.checkpoint.io import fsync_dir
 from memfit.errors import CheckpointError, ConfigError, did_you_mean
 from memfit.registry import STRATEGIES
 from memfit.strategies.base import Strategy
@@ -406,7 +407,7 @@ def save_sharded_checkpoint(path: str | Path, state: dict) -> None:
         if path.exists():
             os.replace(path, old)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         if old.exists():
             shutil.rmtree(old) if old.is_dir() else old.unlink()
     dist.barrier()
@@ -475,22 +476,6 @@ def _dcp_load(entry: ShardedEntry, target: dict) -> None:
         target.update(box[entry.key])
 
 
-class _SafeLoadPlanner(DefaultLoadPlanner):
+class _SafeLoadPlanner(WeightsOnlyBytes, DefaultLoadPlanner):
     """DefaultLoadPlanner whose non-tensor entries load with ``weights_only=True`` (torch's uses False)."""
-
-    def load_bytes(self, read_item: Any, value: Any) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 

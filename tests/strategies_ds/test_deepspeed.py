@@ -223,3 +223,28 @@ def test_short_names_point_at_deepspeed_config():
     offload = build_strategy("deepspeed_stage_3_offload").ds_config["zero_optimization"]
     assert offload["offload_optimizer"]["device"] == "cpu" and offload["offload_param"]["device"] == "cpu"
     assert SHORT_NAMES["deepspeed_stage_3"]["type"] == "DeepSpeedStrategy"
+
+
+def test_deepspeed_internal_loads_are_weights_only(tmp_path):
+    """DeepSpeed's loaders call torch.load(weights_only=False); memfit forces weights_only with an allowlist."""
+    import os
+
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from memfit.errors import CheckpointError
+    from memfit.strategies.deepspeed import weights_only_loads
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    evil, ok = tmp_path / "mp_rank_00_model_states.pt", tmp_path / "ok.pt"
+    torch.save({"module": {}, "x": Payload()}, evil)
+    torch.save({"zero_stage": ZeroStageEnum.weights, "module": {"w": torch.ones(2)}}, ok)
+    with weights_only_loads():
+        assert torch.equal(torch.load(ok, weights_only=False)["module"]["w"], torch.ones(2))
+        with pytest.raises(CheckpointError, match="refuses to unpickle"):
+            torch.load(evil, weights_only=False)
+    assert not marker.exists()
