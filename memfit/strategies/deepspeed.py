@@ -203,6 +203,8 @@ class DeepSpeedStrategy(Strategy):
             _owned(config, "gradient_clipping", float(clip_grad["max_norm"]), "optim_wrapper.clip_grad.max_norm")
         # A torch optimizer under ZeRO-Offload: DeepSpeed would otherwise insist on its C++ CPUAdam.
         config.setdefault("zero_force_ds_cpu_optimizer", False)
+        # Any torch optimizer (SGD, LARC, ...) works under ZeRO's partitioning; DeepSpeed only vouches for Adam.
+        config.setdefault("zero_allow_untested_optimizer", True)
         zero = config.get("zero_optimization")
         if isinstance(zero, Mapping):
             config["zero_optimization"] = zero = dict(zero)

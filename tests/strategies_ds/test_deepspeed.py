@@ -150,6 +150,7 @@ def test_config_fills_batch_accumulation_clipping_and_autocast():
     assert cfg["torch_autocast"] == {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
     assert cfg["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
     assert cfg["zero_force_ds_cpu_optimizer"] is False and "fp16" not in cfg and s.half_dtype is None
+    assert cfg["zero_allow_untested_optimizer"] is True  # SGD/LARC under ZeRO (found via memfit train --gpus 2)
 
 
 @pytest.mark.parametrize("kwargs, wrapper, match", [
