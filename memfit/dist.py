@@ -88,6 +88,29 @@ def ensure_process_group(dist_cfg: dict | None = None) -> None:
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for one-machine process groups)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher_with_group(launcher: str) -> str:
+    """The launcher for backends that always need a process group (DeepSpeed, ColossalAI): under
+    torchrun with ``launcher='none'`` (as the seeds' FlexibleRunner scripts run) join torchrun's group;
+    alone, make a one-process group on a free local port."""
+    if launcher != "none" or is_distributed():
+        return launcher
+    if "RANK" not in os.environ:
+        port = free_port()
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                           ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+            os.environ.setdefault(key, value)
+    return "pytorch"
+
+
 def _env_from_slurm() -> None:
     """Fill torchrun's variables from Slurm's (one task per GPU)."""
     env = os.environ

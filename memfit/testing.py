@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from memfit.dist import free_port
 
 
 def launch(script: str | Path, nproc: int = 2, args: list[str] | None = None, *, out_dir: str | Path,

@@ -20,25 +20,6 @@ from memfit.checkpoint import load_checkpoint as load_state_file
 from memfit.checkpoint import save_checkpoint as save_state_file
 
 
-def launcher_with_group(launcher: str) -> str:
-    """The launcher for backends that always need a process group (DeepSpeed, ColossalAI): under
-    torchrun with ``launcher='none'`` (as the seeds' FlexibleRunner scripts run) join torchrun's group;
-    alone, make a one-process group on a free local port."""
-    import os
-    import socket
-
-    if launcher != "none" or dist.is_distributed():
-        return launcher
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
-                           ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
-            os.environ.setdefault(key, value)
-    return "pytorch"
-
-
 class Strategy:
     """Base strategy: one process, one device. Subclasses override what their backend changes."""
 

@@ -30,7 +30,7 @@ from memfit import dist
 from memfit.errors import ConfigError
 from memfit.optim.wrapper import AmpOptimWrapper, OptimWrapper
 from memfit.registry import OPTIMIZERS, STRATEGIES
-from memfit.strategies.base import Strategy, launcher_with_group
+from memfit.strategies.base import Strategy
 from memfit.strategies.wrapped import StepThroughWrapper
 
 logger = logging.getLogger("memfit")
@@ -102,7 +102,7 @@ class ColossalAIStrategy(Strategy):
             raise ConfigError(f"ColossalAIStrategy plugin {self.plugin_name} needs a CUDA device (colossalai 0.5 "
                               f"asserts one); on {device.type} use plugin='ddp'")
         import_colossalai()
-        super().setup_env(launcher_with_group(launcher), env_cfg)
+        super().setup_env(dist.launcher_with_group(launcher), env_cfg)
         register_hybrid_adam()
 
     def _plugin(self) -> Any:

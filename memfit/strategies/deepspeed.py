@@ -37,7 +37,7 @@ from memfit import dist
 from memfit.checkpoint.io import fsync_dir
 from memfit.errors import CheckpointError, ConfigError
 from memfit.registry import STRATEGIES
-from memfit.strategies.base import Strategy, launcher_with_group
+from memfit.strategies.base import Strategy
 from memfit.strategies.wrapped import StepThroughWrapper
 
 logger = logging.getLogger("memfit")
@@ -112,7 +112,7 @@ class DeepSpeedStrategy(Strategy):
         """DeepSpeed always needs a process group: join torchrun's (also when ``launcher='none'``, as
         the seeds' FlexibleRunner scripts run it) or make a one-process group."""
         import_deepspeed()
-        super().setup_env(launcher_with_group(launcher), env_cfg)
+        super().setup_env(dist.launcher_with_group(launcher), env_cfg)
         import deepspeed
 
         deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), dist_init_required=False)
