@@ -322,10 +322,15 @@ class Runner:
         self._dump_config()
         self._load_or_resume()
         self.call_hook("before_run")
+        finished = False
         try:
             self.train_loop.run()
+            finished = True
         finally:
-            self.call_hook("after_run")
+            try:  # a pending async checkpoint becomes the last one only once written
+                self.strategy.finalize_checkpoints(abort=not finished)
+            finally:
+                self.call_hook("after_run")
         return self.model
 
     def val(self) -> dict:
@@ -391,8 +396,8 @@ class Runner:
                               save_param_scheduler=save_param_scheduler)
         self.call_hook("before_save_checkpoint", checkpoint=state)
         path = self.work_dir / filename
-        self.strategy.save_checkpoint(path, state)
-        if dist.is_main_process():
+        complete = self.strategy.save_checkpoint(path, state)
+        if complete is not False and dist.is_main_process():  # False: an async write, finalized later
             write_latest(self.work_dir, filename)
         return path
 

@@ -123,11 +123,20 @@ class Strategy:
             state = {**state, "optimizer": wrapper.optimizer.state_dict()}
         wrapper.load_state_dict(state)
 
-    def save_checkpoint(self, path: str | Path, state: dict) -> None:
-        """Write ``state`` (model/optimizer already converted to state dicts) atomically; rank 0 only."""
+    def save_checkpoint(self, path: str | Path, state: dict) -> bool | None:
+        """Write ``state`` (model/optimizer already converted to state dicts) atomically; rank 0 only.
+
+        Returns False when the write continues in the background (an async save): the caller must
+        not point ``last_checkpoint`` at it; :meth:`finalize_checkpoints` does once it is complete.
+        """
         if dist.is_main_process():
             save_state_file(state, path)
         dist.barrier()
+        return True
+
+    def finalize_checkpoints(self, abort: bool = False) -> None:
+        """Complete pending background checkpoint writes (end of training); ``abort``: training
+        failed, drop them. Nothing to do for strategies that save synchronously."""
 
     def load_checkpoint(self, path: str | Path) -> dict:
         """A checkpoint file, or a sharded directory gathered into full tensors in this process."""

@@ -77,6 +77,12 @@ class FSDPStrategy(Strategy):
     dtype. ``state_dict_type='sharded'`` saves DCP directories; ``'full'`` gathers everything into
     one file on rank 0. ``activation_checkpointing`` (names/types, as ``cfg.activation_checkpointing``)
     is applied before sharding. ``model_wrapper`` takes the seeds' FSDP1 arguments.
+
+    ``async_save=True`` writes sharded checkpoints with ``torch.distributed.checkpoint.async_save``:
+    the shards are copied to CPU memory and written by a background thread (over a dedicated gloo
+    group) while training continues. The directory is renamed to its final name, and
+    ``last_checkpoint`` moved to it, only once every rank's write completed: before the next save
+    starts, and at the end of training (:meth:`finalize_checkpoints`).
     """
 
     def __init__(
@@ -91,6 +97,7 @@ class FSDPStrategy(Strategy):
         activation_checkpointing: Any = None,
         sync_module_states: bool = True,
         skip_init_weights: bool = False,
+        async_save: bool = False,
     ) -> None:
         super().__init__()
         wrapper = dict(model_wrapper or {})
@@ -116,6 +123,12 @@ class FSDPStrategy(Strategy):
         if state_dict_type not in ("sharded", "full"):
             raise ConfigError(f"FSDPStrategy.state_dict_type={state_dict_type!r}: use 'sharded' or 'full'")
         self.state_dict_type = state_dict_type
+        if async_save and state_dict_type != "sharded":
+            raise ConfigError("FSDPStrategy(async_save=True) needs state_dict_type='sharded' (a 'full' "
+                              "checkpoint is gathered and written by rank 0 synchronously)")
+        self.async_save = bool(async_save)
+        self._async_group: Any = None  # the gloo group the background writes use (made at the first one)
+        self._pending: PendingSave | None = None  # the async save not yet finalized
         self.activation_checkpointing = activation_checkpointing
         self.units: list[str] = []  # names of the modules sharded as units (root last, as '')
 
@@ -227,10 +240,37 @@ class FSDPStrategy(Strategy):
             set_optimizer_state_dict(model, wrapper.optimizer, osd, options=StateDictOptions(full_state_dict=True))
         wrapper.load_state_dict({**state, "optimizer": wrapper.optimizer.state_dict()})
 
-    def save_checkpoint(self, path: str | Path, state: dict) -> None:
+    def save_checkpoint(self, path: str | Path, state: dict) -> bool:
+        """Write ``state`` at ``path``; False when the write goes on in the background (``async_save``):
+        the checkpoint appears, and ``last_checkpoint`` points at it, when it is finalized."""
+        self.finalize_checkpoints()  # one write at a time: the previous one becomes last first
         if self.state_dict_type == "full":
-            return super().save_checkpoint(path, state)
-        save_sharded_checkpoint(path, state)
+            super().save_checkpoint(path, state)
+            return True
+        if not self.async_save:
+            save_sharded_checkpoint(path, state)
+            return True
+        if self._async_group is None:
+            # Background collectives must not share a group with the training step's collectives.
+            self._async_group = tdist.new_group(backend="gloo")
+        self._pending = save_sharded_checkpoint(path, state, async_group=self._async_group)
+        return False
+
+    def finalize_checkpoints(self, abort: bool = False) -> None:
+        """Wait for a pending async save, publish its directory and point ``last_checkpoint`` at it.
+
+        A collective. ``abort=True`` (training failed) only drops it: the write is left as its hidden
+        temporary directory and the previous checkpoint stays the last one.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None or abort:
+            return
+        from memfit.checkpoint import write_latest
+
+        pending.finish()
+        if dist.is_main_process():
+            write_latest(pending.path.parent, pending.path.name)
+        dist.barrier()
 
     def load_checkpoint(self, path: str | Path) -> dict:
         """A sharded directory: plain extras now, tensors as :class:`ShardedEntry` read in place later."""
@@ -375,7 +415,22 @@ def _broadcast_module_states(model: nn.Module) -> None:
 
 
 # -- sharded checkpoints -------------------------------------------------------------------------
-def save_sharded_checkpoint(path: str | Path, state: dict) -> None:
+class PendingSave:
+    """An async sharded save under way: :meth:`finish` waits for it and renames it into place."""
+
+    def __init__(self, future: Any, tmp: Path, path: Path, token: str) -> None:
+        self.future, self.tmp, self.path, self.token = future, tmp, path, token
+
+    def finish(self) -> None:
+        """A collective: wait for this rank's write, then (after every rank's) publish the directory."""
+        self.future.result()  # re-raises a failed write
+        dist.barrier()
+        if dist.is_main_process():
+            _publish(self.tmp, self.path, self.token)
+        dist.barrier()
+
+
+def save_sharded_checkpoint(path: str | Path, state: dict, async_group: Any = None) -> PendingSave | None:
     """Write ``state`` as a DCP directory at ``path``, atomically; a collective (every rank calls it).
 
     The model (``state_dict``) and optimizer (``optim_wrapper.optimizer``) entries are written by
@@ -383,6 +438,9 @@ def save_sharded_checkpoint(path: str | Path, state: dict) -> None:
     sampler, RNG states of every rank, scaler, meta) goes to ``extra_state.pth`` inside the
     directory, written by rank 0. All of it lands in a temporary directory that rank 0 renames to
     ``path`` only after every rank has finished, so a crash leaves the previous checkpoint intact.
+
+    With ``async_group`` (a process group with a CPU backend) the shards are staged to CPU memory and
+    written in the background with ``dcp.async_save``; the returned :class:`PendingSave` finishes it.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -400,17 +458,30 @@ def save_sharded_checkpoint(path: str | Path, state: dict) -> None:
     if dist.is_main_process():
         path.parent.mkdir(parents=True, exist_ok=True)
     dist.barrier()
+    if async_group is not None:
+        if dist.is_main_process():  # the extras now: they are the state of this step, not a later one
+            tmp.mkdir()
+            save_state_file(extras, tmp / EXTRA_STATE_FILE)
+        dist.barrier()
+        response = dcp.async_save(tensors, checkpoint_id=tmp, process_group=async_group)
+        return PendingSave(getattr(response, "upload_completion", response), tmp, path, token)
     dcp.save(tensors, checkpoint_id=tmp)
     if dist.is_main_process():
         save_state_file(extras, tmp / EXTRA_STATE_FILE)
-        old = path.parent / f".{path.name}.old-{token}"
-        if path.exists():
-            os.replace(path, old)
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-        if old.exists():
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        _publish(tmp, path, token)
     dist.barrier()
+    return None
+
+
+def _publish(tmp: Path, path: Path, token: str) -> None:
+    """Rank 0: rename the complete temporary directory ``tmp`` to ``path`` (replacing what is there)."""
+    old = path.parent / f".{path.name}.old-{token}"
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    if old.exists():
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
 def read_sharded_checkpoint(path: str | Path) -> dict:

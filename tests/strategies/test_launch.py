@@ -71,8 +71,10 @@ def test_train_gpus_2_runs_fsdp_on_two_processes(tmp_path):
 def test_slurm_variables_become_torchrun_variables(monkeypatch):
     from memfit import dist
 
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(k, raising=False)
+    # A private copy of the environment: _env_from_slurm sets RANK etc., which must not leak into later
+    # tests' subprocesses (monkeypatch.delenv does not undo keys that were absent before).
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in keys})
     monkeypatch.setenv("SLURM_PROCID", "5")
     monkeypatch.setenv("SLURM_NTASKS", "16")
     monkeypatch.setenv("SLURM_LOCALID", "1")
