@@ -52,3 +52,29 @@ def read_results(out_dir: str | Path, nproc: int, proc: subprocess.CompletedProc
             raise AssertionError(f"rank {rank} wrote no result ({path}){tail}")
         results.append(json.loads(path.read_text()))
     return results
+
+
+class RecordSteps:
+    """A hook for rank scripts: the batches this rank trained on and the global loss (mean over ranks)
+    of every micro-step."""
+
+    priority = "NORMAL"
+
+    def __init__(self) -> None:
+        self.batches: list = []
+        self.losses: list[float] = []
+
+    def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None) -> None:
+        from memfit import dist
+
+        self.batches.append([t.clone() for t in data_batch])
+        self.losses.append(float(dist.all_reduce_mean(outputs["loss"].detach().float())))
+
+
+def classification_data(n: int, dim: int, classes: int = 3, seed: int = 7) -> list:
+    """``n`` random ``(x, y)`` samples, the same in every process."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    xs, ys = torch.randn(n, dim, generator=g), torch.randint(0, classes, (n,), generator=g)
+    return [(xs[i], ys[i]) for i in range(n)]

@@ -25,7 +25,7 @@ from memfit.hooks.base import Hook
 from memfit.model import BaseModel
 from memfit.registry import OPTIMIZERS
 from memfit.runner import Runner
-from memfit.testing import write_result
+from memfit.testing import RecordSteps, classification_data, write_result
 
 DIM, N, LR = 8, 32, 1e-2
 OUT = os.environ["MEMFIT_TEST_OUT"]
@@ -41,20 +41,12 @@ class Net(BaseModel):
         return dict(loss=F.cross_entropy(out.float(), y)) if mode == "loss" else (out, y)
 
 
-class Record(Hook):
-    def __init__(self) -> None:
-        self.batches: list = []
-        self.losses: list[float] = []
-
-    def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):
-        self.batches.append([t.clone() for t in data_batch])
-        self.losses.append(float(dist.all_reduce_mean(outputs["loss"].detach().float())))
+class Record(RecordSteps, Hook):
+    """The batches this rank trained on and the global loss of every micro-step."""
 
 
 def dataset() -> list:
-    g = torch.Generator().manual_seed(7)
-    xs, ys = torch.randn(N, DIM, generator=g), torch.randint(0, 3, (N,), generator=g)
-    return [(xs[i], ys[i]) for i in range(N)]
+    return classification_data(N, DIM)
 
 
 def train(name: str, mixed_precision: str | None, iters: int, resume: str | bool = False, plugin: str = "ddp",

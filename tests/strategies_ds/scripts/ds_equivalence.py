@@ -23,7 +23,7 @@ from memfit import dist
 from memfit.hooks.base import Hook
 from memfit.model import BaseModel
 from memfit.runner import Runner
-from memfit.testing import write_result
+from memfit.testing import RecordSteps, classification_data, write_result
 
 DIM, N, MICRO, ITERS, LR = 8, 48, 4, 6, 1e-2
 
@@ -39,22 +39,12 @@ class Net(BaseModel):
         return dict(loss=F.cross_entropy(out.float(), y)) if mode == "loss" else (out, y)
 
 
-class Record(Hook):
-    """The batches this rank trained on and the global loss (mean over ranks) of every micro-step."""
-
-    def __init__(self) -> None:
-        self.batches: list = []
-        self.losses: list[float] = []
-
-    def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):
-        self.batches.append([t.clone() for t in data_batch])
-        self.losses.append(float(dist.all_reduce_mean(outputs["loss"].detach().float())))
+class Record(RecordSteps, Hook):
+    """The batches this rank trained on and the global loss of every micro-step."""
 
 
 def dataset() -> list:
-    g = torch.Generator().manual_seed(7)
-    xs, ys = torch.randn(N, DIM, generator=g), torch.randint(0, 3, (N,), generator=g)
-    return [(xs[i], ys[i]) for i in range(N)]
+    return classification_data(N, DIM)
 
 
 def strategy_cfg(stage: int, offload: str) -> dict:
