@@ -78,3 +78,25 @@ def classification_data(n: int, dim: int, classes: int = 3, seed: int = 7) -> li
     g = torch.Generator().manual_seed(seed)
     xs, ys = torch.randn(n, dim, generator=g), torch.randint(0, classes, (n,), generator=g)
     return [(xs[i], ys[i]) for i in range(n)]
+
+
+def reference_run(model: Any, batches: list, k: int, amp: bool, lr: float) -> tuple[list[float], dict]:
+    """Plain torch in one process, the yardstick for distributed runs: ``batches[step]`` holds every
+    rank's micro-batch of that step; each gets its own forward (the same numerics as on its rank), the
+    loss is their mean, and AdamW steps every ``k`` micro-steps."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for step, per_rank in enumerate(batches):
+        parts = []
+        for x, y in per_rank:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                parts.append(model(x, y, mode="loss")["loss"])
+        loss = torch.stack(parts).mean()
+        (loss / k).backward()
+        losses.append(float(loss))
+        if (step + 1) % k == 0:
+            opt.step()
+            opt.zero_grad()
+    return losses, model.state_dict()

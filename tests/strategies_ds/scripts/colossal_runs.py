@@ -25,7 +25,7 @@ from memfit.hooks.base import Hook
 from memfit.model import BaseModel
 from memfit.registry import OPTIMIZERS
 from memfit.runner import Runner
-from memfit.testing import RecordSteps, classification_data, write_result
+from memfit.testing import RecordSteps, classification_data, reference_run, write_result
 
 DIM, N, LR = 8, 32, 1e-2
 OUT = os.environ["MEMFIT_TEST_OUT"]
@@ -69,20 +69,7 @@ def train(name: str, mixed_precision: str | None, iters: int, resume: str | bool
 def reference(init: dict, batches: list, amp: bool) -> tuple[list[float], dict]:
     model = Net()
     model.load_state_dict(init)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for step, per_rank in enumerate(batches):
-        parts = []
-        for x, y in per_rank:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-                parts.append(model(x, y, mode="loss")["loss"])
-        loss = torch.stack(parts).mean()
-        (loss / 2).backward()
-        losses.append(float(loss))
-        if step % 2 == 1:
-            opt.step()
-            opt.zero_grad()
-    return losses, model.state_dict()
+    return reference_run(model, batches, 2, amp, LR)
 
 
 def main_gpu() -> None:

@@ -23,7 +23,7 @@ from memfit import dist
 from memfit.hooks.base import Hook
 from memfit.model import BaseModel
 from memfit.runner import Runner
-from memfit.testing import RecordSteps, classification_data, write_result
+from memfit.testing import RecordSteps, classification_data, reference_run, write_result
 
 DIM, N, MICRO, ITERS, LR = 8, 48, 4, 6, 1e-2
 
@@ -57,23 +57,9 @@ def strategy_cfg(stage: int, offload: str) -> dict:
 
 
 def reference(init: dict, batches: list, k: int, amp: bool) -> tuple[list[float], dict]:
-    """Plain torch in this process: the global batch of every micro-step is every rank's batch."""
     model = Net()
     model.load_state_dict(init)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for step, per_rank in enumerate(batches):
-        parts = []
-        for x, y in per_rank:  # one forward per rank's micro-batch: the same numerics as each rank
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-                parts.append(model(x, y, mode="loss")["loss"])
-        loss = torch.stack(parts).mean()
-        (loss / k).backward()
-        losses.append(float(loss))
-        if (step + 1) % k == 0:
-            opt.step()
-            opt.zero_grad()
-    return losses, model.state_dict()
+    return reference_run(model, batches, k, amp, LR)
 
 
 def run_case(case: str, work_root: str) -> dict:
