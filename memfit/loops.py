@@ -165,8 +165,8 @@ class EvalLoop:
         runner.call_hook(f"before_{mode}_epoch")
         runner.model.eval()
         step = runner.model.val_step if mode == "val" else runner.model.test_step
-        autocast = (torch.autocast(runner.device.type) if self.fp16 else torch.autocast(runner.device.type,
-                    enabled=False))
+        # fp32 unless val_cfg/test_cfg ask for fp16 (MMEngine's ValLoop), then the run's precision.
+        autocast = runner.strategy.precision.eval_autocast(self.fp16)
         # Validation must not move the training RNG streams: a run resumed from a checkpoint saved
         # before (or during) validation does not validate again, yet has to draw the same dropout
         # masks afterwards. Restored before after_{mode}_epoch, where the best checkpoint is saved.

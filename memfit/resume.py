@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from memfit import __version__, dist
+from memfit import dist
+from memfit._version import __version__
 from memfit.errors import CheckpointError, ConfigError, did_you_mean
 
 logger = logging.getLogger("memfit")
@@ -26,6 +27,11 @@ def resume_path(resume: bool | str | None, work_dir: Path) -> Path | None:
     if not resume:
         return None
     if resume is True or resume == "auto":
+        from memfit.checkpoint.directory import recover
+
+        if dist.is_main_process():  # a save a kill interrupted: put the previous checkpoint back in place
+            recover(work_dir)
+        dist.barrier()
         path = read_latest(work_dir)
         if path is None:
             logger.info(f"resume=True: no checkpoint in {work_dir} yet, training starts from the beginning")
@@ -83,7 +89,7 @@ def collect_state(runner: Any, meta: dict, *, save_optimizer: bool = True, save_
     """
     from memfit.checkpoint import capture_rng_state, to_plain
 
-    model = runner.strategy.unwrap(runner.model)
+    model = runner.model
     wrapper = runner.optim_wrapper
     loop = runner.train_loop
     state: dict[str, Any] = {
@@ -127,7 +133,7 @@ def restore_state(runner: Any, state: dict, path: str | Path) -> None:
     for key in ("meta", "state_dict"):
         if key not in state:
             raise CheckpointError(f"{path}: not a memfit training checkpoint (no {key!r}); use load_from for weights")
-    model = runner.strategy.unwrap(runner.model)
+    model = runner.model
     try:
         runner.strategy.load_model_state_dict(runner.model, state["state_dict"], strict=True)
     except RuntimeError as exc:

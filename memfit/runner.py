@@ -1,7 +1,8 @@
 """Runner / FlexibleRunner: build everything from config or live objects, then run the loops.
 
 The runner owns no training logic: it builds the model, data, optimizer wrapper, schedulers, hooks
-and loops, asks the strategy to prepare the model, and saves/restores the state a resume needs.
+and loops, sets the model up through the connector (precision, memory techniques, then the
+strategy's wrapping: :func:`memfit.connector.setup`), and saves/restores the state a resume needs.
 """
 
 from __future__ import annotations
@@ -244,27 +245,20 @@ class Runner:
 
         return build_dataloader(cfg, seed=self.seed, rank=self.rank, world_size=self.world_size, key=key)
 
-    def _model_transforms(self, model: nn.Module) -> None:
-        """Memory techniques from ``cfg`` (checkpointing, conv-bn folding, ...), before wrapping."""
-        from memfit.memory import apply_memory_techniques
-
-        apply_memory_techniques(model, self.cfg, self._optim_wrapper_cfg, self.logger)
-
     def _prepare(self, with_optimizer: bool) -> None:
         if self._prepared:
             return
+        from memfit.connector import setup
+
         optim_cfg = self._scaled_optim_cfg() if with_optimizer else None
-        in_backward = bool(self.cfg.get("optimizer_in_backward")) and with_optimizer
-        if in_backward and self.world_size > 1:
-            raise ConfigError("cfg.optimizer_in_backward runs in one process only: gradients would be stepped "
-                              "before they are reduced across ranks; remove it or train on one device")
         if self.train_dataloader is not None:
             self.strategy.set_micro_batch_size(self.train_dataloader.batch_size)
-        self.model, self.optim_wrapper = self.strategy.prepare(self.model, optim_cfg, self._model_transforms,
-                                                               optimizer_in_backward=in_backward)
+        self.model, self.optim_wrapper = setup(
+            self.model, self.strategy, optim_cfg, self.cfg,
+            optimizer_in_backward=bool(self.cfg.get("optimizer_in_backward")) and with_optimizer)
         if self.compile:
             kwargs = self.compile if isinstance(self.compile, dict) else {}
-            self.strategy.unwrap(self.model).compile(**kwargs)
+            self.model.compile(**kwargs)
         self._prepared = True
 
     def _scaled_optim_cfg(self) -> Any:

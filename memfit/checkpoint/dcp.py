@@ -152,3 +152,73 @@ def _one_line_errors(path: Path) -> Iterator[None]:
             str(exc) if "refuses to unpickle" in str(exc) else explain_load_error(exc, path / METADATA_FILE)
         )
         raise CheckpointError(f"cannot read sharded checkpoint {path}: {cause}") from exc
+
+
+# -- sharded (DCP) checkpoints of the FSDP strategy ------------------------------------------------
+def write_dcp(tensors: dict[str, Any], tmp: Path, async_group: Any = None) -> Any:
+    """This rank's shards of ``tensors`` into ``tmp`` (a collective); with ``async_group`` (a process
+    group on a CPU backend) staged to memory and written in the background: returns the future."""
+    import torch.distributed.checkpoint as dcp
+
+    if async_group is None:
+        dcp.save(tensors, checkpoint_id=tmp)
+        return None
+    response = dcp.async_save(tensors, checkpoint_id=tmp, process_group=async_group)
+    return getattr(response, "upload_completion", response)
+
+
+def read_sharded_checkpoint(path: str | Path) -> dict:
+    """A whole sharded checkpoint gathered into full tensors in this process (no process group needed).
+
+    The result has the layout of a file checkpoint, except that ``optim_wrapper.optimizer`` is keyed
+    by parameter name (``get_optimizer_state_dict``'s form); load it with :func:`fqn_optim_state`
+    and ``set_optimizer_state_dict``. Used to resume at another world size with a non-FSDP strategy.
+    """
+    from memfit.checkpoint.directory import read_extras
+
+    path = Path(path)
+    state = read_extras(path)
+    tensors = read_dcp(path)
+    state["state_dict"] = tensors["state_dict"]
+    if "optimizer" in tensors:
+        state.setdefault("optim_wrapper", {})["optimizer"] = tensors["optimizer"]
+    return state
+
+
+def load_dcp_into(path: Path, key: str, target: dict) -> None:
+    """Read entry ``key`` of the sharded checkpoint at ``path`` into ``target`` (tensors filled in
+    place: each rank reads only its own shards); a collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class SafeLoadPlanner(WeightsOnlyBytes, DefaultLoadPlanner):
+        """DefaultLoadPlanner whose non-tensor entries load with ``weights_only=True``."""
+
+    box = {key: target}
+    try:
+        dcp.load(box, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+    except BaseException as exc:  # DCP wraps rank failures in CheckpointException (a BaseException)
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path}: cannot load {key!r} from the sharded checkpoint: {first}") from exc
+    if box[key] is not target:  # non-tensor leaves are replaced in the box, not in place
+        target.update(box[key])
+
+
+def fqn_optim_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, osd: dict) -> dict:
+    """An optimizer state dict keyed by parameter name; ``torch.optim``'s id-keyed form is converted
+    using ``optimizer``'s parameter order (the one it was saved with when the config is the same)."""
+    groups = osd.get("param_groups") or []
+    if all(isinstance(p, str) for g in groups for p in g["params"]):
+        return osd
+    names = {id(p): n for n, p in model.named_parameters()}
+    mapping: dict[Any, str] = {}
+    for saved, live in zip(groups, optimizer.param_groups):
+        if len(saved["params"]) != len(live["params"]):
+            raise CheckpointError("optimizer state does not fit: parameter groups differ in size")
+        mapping.update({i: names[id(p)] for i, p in zip(saved["params"], live["params"])})
+    return {
+        "state": {mapping[i]: s for i, s in osd.get("state", {}).items()},
+        "param_groups": [{**g, "params": [mapping[i] for i in g["params"]]} for g in groups],
+    }

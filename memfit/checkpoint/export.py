@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-import memfit
+from memfit._version import __version__
 from memfit.checkpoint.io import atomic_path
 from memfit.checkpoint.weights import read_state_dict
 
@@ -26,7 +26,7 @@ def export_safetensors(checkpoint_path: str | Path, out_path: str | Path) -> Pat
     from safetensors.torch import save_file
 
     checkpoint_path, out_path = Path(checkpoint_path), Path(out_path)
-    from memfit.strategies.deepspeed import is_deepspeed_checkpoint, read_deepspeed_state_dict
+    from memfit.checkpoint.deepspeed import is_deepspeed_checkpoint, read_deepspeed_state_dict
 
     # A DeepSpeed checkpoint directory is consolidated by DeepSpeed's zero_to_fp32.
     deepspeed = is_deepspeed_checkpoint(checkpoint_path)
@@ -43,7 +43,7 @@ def export_safetensors(checkpoint_path: str | Path, out_path: str | Path) -> Pat
         tensors[key] = tensor.contiguous()
     metadata = {
         "format": "pt",
-        "memfit_version": memfit.__version__,
+        "memfit_version": __version__,
         "torch_version": torch.__version__,
         "source": str(checkpoint_path.resolve()),
     }

@@ -55,6 +55,12 @@ def read_latest(work_dir: str | Path) -> Path | None:
             named = Path(text) if Path(text).is_absolute() else work_dir / text
             if named.exists():
                 return named
+            # A crash while a directory checkpoint of the same name was being replaced left the
+            # previous one set aside (memfit.checkpoint.directory.publish): it is still complete.
+            aside = sorted(named.parent.glob(f".{named.name}.old-*"))
+            if aside:
+                logger.warning(f"{pointer} names {named}, which a crash left set aside as {aside[-1].name}: using it")
+                return aside[-1]
     found = find_checkpoints(work_dir)
     if not found:
         if named is not None:

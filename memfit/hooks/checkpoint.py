@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -13,9 +12,6 @@ from memfit import dist
 from memfit.errors import ConfigError
 from memfit.hooks.base import Hook
 from memfit.registry import HOOKS
-
-# The temporary names memfit.checkpoint.atomic_path writes to (``.<name>.tmp-<pid>``).
-_TEMP_RE = re.compile(r"^\..+\.tmp-\d+$")
 
 
 @HOOKS.register()
@@ -127,16 +123,15 @@ def _remove(path: Path) -> None:
 
 
 def _remove_stale_temp_files(runner: Any) -> None:
-    """Delete the temporary files of saves that a kill interrupted (they can be as large as a
-    checkpoint). Safe at the start of training: no save of this run is in flight yet."""
-    work_dir = Path(runner.work_dir)
-    if not work_dir.is_dir():
-        return
-    for path in work_dir.iterdir():
-        if _TEMP_RE.match(path.name):
-            with contextlib.suppress(OSError):
-                _remove(path)
-            runner.logger.warning(f"removed {path.name}: the partial file of a save that was interrupted")
+    """Delete the temporary files and directories of saves that a kill interrupted (they can be as
+    large as a checkpoint), or put back a checkpoint a kill left set aside. Safe at the start of
+    training: no save of this run is in flight yet."""
+    from memfit.checkpoint.directory import TEMP_PATTERN, recover
+
+    with contextlib.suppress(OSError):
+        for path, action in recover(runner.work_dir):
+            what = f"{path.name} as {TEMP_PATTERN.match(path.name)['name']}" if action == "restored" else path.name
+            runner.logger.warning(f"{action} {what}: left by a save that was interrupted")
 
 
 @HOOKS.register()

@@ -30,12 +30,6 @@ def build_optim_wrapper(model: nn.Module, cfg: Any, in_backward: bool = False) -
         raise ConfigError("optim_wrapper.optimizer is missing: e.g. optimizer=dict(type='SGD', lr=0.01)")
     paramwise_cfg = cfg.pop("paramwise_cfg", None)
     cfg.pop("constructor", None)
-    if in_backward:
-        from memfit.optim.in_backward import check_in_backward_compatible
-
-        fp16 = cfg.get("type") == "AmpOptimWrapper" and str(cfg.get("dtype", "")).lower() in ("float16", "fp16")
-        check_in_backward_compatible(cfg.get("accumulative_counts", 1), cfg.get("clip_grad"),
-                                     grad_scaler=True if fp16 else None)
     optimizer = build_optimizer(model, optimizer_cfg, paramwise_cfg, in_backward=in_backward)
     return OPTIM_WRAPPERS.build(cfg, key="optim_wrapper", optimizer=optimizer)
 

@@ -1,8 +1,11 @@
-"""Optimizer wrappers: accumulation, clipping and mixed precision around a torch optimizer.
+"""Optimizer wrappers: accumulation counting, loss division and clipping around a torch optimizer.
 
 The train step calls ``optim_context(model)`` around the forward and ``update_params(loss)`` after
-it. The strategy the wrapper is bound to decides how gradients are synchronised; the wrapper decides
-when (only on the final micro-step of an accumulation window).
+it. The wrapper is backend-agnostic: it decides *when* (gradients are synchronised and the
+optimizer steps only on the final micro-step of an accumulation window); its strategy decides
+*how* (``no_sync``, ``backward``, ``optimizer_step``, ``zero_grad``), and the strategy's precision
+how the forward runs and the loss is scaled. A wrapper used on its own (the seeds' loops without a
+runner) gets a one-device strategy with the precision its own arguments ask for.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from memfit.errors import ConfigError
-from memfit.precision import Precision, default_amp_dtype, parse_dtype
+from memfit.precision import AutocastPrecision, Precision, default_amp_dtype, parse_dtype
 from memfit.registry import OPTIM_WRAPPERS
 
 logger = logging.getLogger("memfit")
@@ -43,19 +46,42 @@ class OptimWrapper:
         self.optimizer = optimizer
         self.accumulative_counts = accumulative_counts
         self.clip_grad = {k: v for k, v in (clip_grad or {}).items() if k != "type"} or None
-        self.precision = Precision(None, "cpu")
-        self.scaler: torch.amp.GradScaler | None = None
-        self.strategy: Any = None
+        self._strategy: Any = None
         self.inner_count = 0  # micro-steps taken in the current counting span (epoch or run)
         self.max_counts = -1  # length of that span; -1 = unbounded
         self.grad_norm: torch.Tensor | None = None
         self._bn_warned = False
 
-    # -- binding -----------------------------------------------------------------------------
-    def bind(self, strategy: Any, device: torch.device) -> None:
-        """Called by the strategy once the model is on its device."""
-        self.strategy = strategy
-        self.precision = Precision(None, device.type)
+    # -- strategy and precision ----------------------------------------------------------------
+    def requested_precision(self, device_type: str) -> Precision | None:
+        """The precision this wrapper's arguments ask for (None: none in particular)."""
+        return None
+
+    @property
+    def strategy(self) -> Any:
+        """The strategy that backpropagates and steps; set by :func:`memfit.connector.setup`.
+        Unset (a wrapper used on its own): one device, with this wrapper's requested precision."""
+        if self._strategy is None:
+            from memfit.strategies.single import SingleDeviceStrategy
+
+            device = next((p.device for g in self.optimizer.param_groups for p in g["params"]), torch.device("cpu"))
+            strategy = SingleDeviceStrategy()
+            strategy.device = device
+            strategy.set_precision(self.requested_precision(device.type) or Precision(device.type))
+            self._strategy = strategy
+        return self._strategy
+
+    @strategy.setter
+    def strategy(self, strategy: Any) -> None:
+        self._strategy = strategy
+
+    @property
+    def precision(self) -> Precision:
+        return self.strategy.precision
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        return getattr(self.precision, "scaler", None)
 
     # -- counting ----------------------------------------------------------------------------
     def initialize_count_status(self, model: nn.Module, init_counts: int, max_counts: int) -> None:
@@ -89,15 +115,15 @@ class OptimWrapper:
     # -- the step ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def optim_context(self, model: nn.Module):
-        """Autocast, and no gradient sync on non-final micro-steps."""
-        sync = self.strategy.grad_sync_context(model, self.should_sync()) if self.strategy else contextlib.nullcontext()
-        with sync, self.precision.autocast():
+        """The precision's autocast, and no gradient sync on non-final micro-steps."""
+        strategy = self.strategy
+        with strategy.no_sync(model, self.should_sync()), strategy.autocast():
             yield
 
     def update_params(
         self, loss: torch.Tensor, step_kwargs: dict | None = None, zero_kwargs: dict | None = None
     ) -> None:
-        """Backward the (scaled) loss; step and zero gradients when the window closes."""
+        """Backward the loss (divided by the window size); step and zero gradients when the window closes."""
         factor = self.loss_factor()
         if factor > 1:
             loss = loss / factor
@@ -108,26 +134,15 @@ class OptimWrapper:
         self.inner_count += 1
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        if self.scaler is not None:
-            loss = self.scaler.scale(loss)
-        if self.strategy is not None:
-            self.strategy.backward(loss, **kwargs)
-        else:
-            loss.backward(**kwargs)
+        self.strategy.backward(loss, **kwargs)
 
     def step(self, **kwargs: Any) -> None:
-        if self.clip_grad:
-            self.grad_norm = self._clip_grads()
-        self.optimizer.step(**kwargs)
+        norm = self.strategy.optimizer_step(self.optimizer, self.clip_grad, **kwargs)
+        if norm is not None:
+            self.grad_norm = norm
 
     def zero_grad(self, **kwargs: Any) -> None:
-        self.optimizer.zero_grad(**kwargs)
-
-    def _clip_grads(self) -> torch.Tensor:
-        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if self.strategy is not None:
-            return self.strategy.clip_grad_norm(params, **self.clip_grad)
-        return nn.utils.clip_grad_norm_(params, **self.clip_grad)
+        self.strategy.zero_grad(self.optimizer, **kwargs)
 
     # -- introspection and state -------------------------------------------------------------
     @property
@@ -144,15 +159,24 @@ class OptimWrapper:
         return {"momentum": out}
 
     def log_scalars(self) -> dict[str, Any]:
-        """Scalars the logger shows for this wrapper (tensors are fine: converted when printed)."""
-        return {"grad_norm": self.grad_norm} if self.grad_norm is not None else {}
+        """Scalars the logger shows (tensors are fine: converted when printed)."""
+        out = {"grad_norm": self.grad_norm} if self.grad_norm is not None else {}
+        out.update(self.strategy.log_scalars())
+        return out
 
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "inner_count": self.inner_count}
+    def state_dict(self, with_optimizer: bool = True) -> dict:
+        """The optimizer, the counting position and the precision's state (a GradScaler's).
+        ``with_optimizer=False``: not the optimizer (a backend that writes its shards itself)."""
+        state = {"inner_count": self.inner_count, **self.precision.state_dict()}
+        if with_optimizer:
+            state["optimizer"] = self.optimizer.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.inner_count = state.get("inner_count", self.inner_count)
+        self.precision.load_state_dict(state)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(optimizer={type(self.optimizer).__name__}, k={self.accumulative_counts})"
@@ -160,10 +184,10 @@ class OptimWrapper:
 
 @OPTIM_WRAPPERS.register()
 class AmpOptimWrapper(OptimWrapper):
-    """Mixed precision: autocast around the forward; a GradScaler for float16 only.
+    """Mixed precision (MMEngine's name): asks for autocast, the connector makes it the run's precision.
 
-    ``dtype`` is 'float16', 'bfloat16' or None (float16 on CUDA, bfloat16 on CPU). ``loss_scale`` is
-    'dynamic', a fixed number or GradScaler kwargs. ``fp32_modules`` names modules or module types
+    ``dtype`` is 'float16', 'bfloat16' or None (the device's default). ``loss_scale`` is 'dynamic',
+    a fixed number or GradScaler kwargs (fp16 only). ``fp32_modules`` names modules or module types
     that run in fp32 with autocast off (numerically sensitive heads, losses).
     """
 
@@ -181,44 +205,15 @@ class AmpOptimWrapper(OptimWrapper):
         self.dtype = parse_dtype(dtype, "optim_wrapper.dtype")
         self.loss_scale = loss_scale
         self.fp32_modules = list(fp32_modules or [])
-        self.skipped_steps = torch.zeros((), dtype=torch.long)
 
-    def bind(self, strategy: Any, device: torch.device) -> None:
-        super().bind(strategy, device)
-        dtype = self.dtype or default_amp_dtype(device.type)
-        self.precision = Precision(dtype, device.type)
-        self.scaler = self.precision.make_scaler(self.loss_scale)
-        self.skipped_steps = self.skipped_steps.to(device)
+    def requested_precision(self, device_type: str) -> Precision:
+        return AutocastPrecision(self.dtype or default_amp_dtype(device_type), device_type, self.loss_scale,
+                                 self.fp32_modules)
 
-    def step(self, **kwargs: Any) -> None:
-        if self.scaler is None:
-            return super().step(**kwargs)
-        self.scaler.unscale_(self.optimizer)
-        if self.clip_grad:
-            self.grad_norm = self._clip_grads()
-        before = self.scaler._scale.clone()  # tensor compare: no host sync in the step
-        self.scaler.step(self.optimizer, **kwargs)
-        self.scaler.update()
-        self.skipped_steps += (self.scaler._scale < before).long().squeeze()
-
-    def log_scalars(self) -> dict[str, Any]:
-        out = super().log_scalars()
-        if self.scaler is not None and self.scaler._scale is not None:
-            out.update(loss_scale=self.scaler._scale, skipped_steps=self.skipped_steps)
-        return out
-
-    def state_dict(self) -> dict:
-        state = super().state_dict()
-        if self.scaler is not None:
-            state["loss_scaler"] = self.scaler.state_dict()
-            state["skipped_steps"] = self.skipped_steps.cpu()
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        if self.scaler is not None and "loss_scaler" in state:
-            self.scaler.load_state_dict(state["loss_scaler"])
-            self.skipped_steps = state["skipped_steps"].to(self.skipped_steps.device)
+    @property
+    def skipped_steps(self) -> torch.Tensor:
+        """fp16: optimizer steps the GradScaler skipped (gradients overflowed), a tensor."""
+        return getattr(self.precision, "skipped_steps", torch.zeros((), dtype=torch.long))
 
 
 def _has_train_bn(model: nn.Module) -> bool:

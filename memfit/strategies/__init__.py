@@ -8,7 +8,7 @@ from memfit.errors import ConfigError
 from memfit.registry import STRATEGIES
 from memfit.strategies.base import Strategy
 from memfit.strategies.colossalai import ColossalAIStrategy
-from memfit.strategies.ddp import DDPStrategy, MemfitDDP, ZeroOptimWrapper
+from memfit.strategies.ddp import DDPStrategy
 from memfit.strategies.deepspeed import DeepSpeedStrategy
 from memfit.strategies.fsdp import FSDPStrategy
 from memfit.strategies.single import SingleDeviceStrategy
@@ -83,5 +83,5 @@ def build_strategy(cfg: Any) -> Strategy:
     return STRATEGIES.build(cfg, key="strategy")
 
 
-__all__ = ["ColossalAIStrategy", "DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy", "MemfitDDP", "SHORT_NAMES",
-           "SingleDeviceStrategy", "Strategy", "ZeroOptimWrapper", "build_strategy", "strategy_from_model_wrapper"]
+__all__ = ["ColossalAIStrategy", "DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy", "SHORT_NAMES",
+           "SingleDeviceStrategy", "Strategy", "build_strategy", "strategy_from_model_wrapper"]

@@ -1,14 +1,15 @@
-"""The Strategy interface: how a model is placed, wrapped, backpropagated, stepped and saved.
+"""The Strategy interface: where a model runs, how it is wrapped, backpropagated, stepped and saved.
 
-The loops never name a strategy; they call the model's ``train_step`` and the optimizer wrapper,
-which call back into the strategy for what differs between backends (gradient sync, backward,
-clipping, state dicts, checkpoint I/O).
+The runner builds the model, applies the memory techniques and the precision's conversion, then
+calls :meth:`Strategy.wrap` and :meth:`Strategy.setup` (torchtitan's order: apply_ac, then
+apply_fsdp). The optimizer wrapper counts micro-steps and calls :meth:`no_sync`, :meth:`backward`,
+:meth:`optimizer_step` and :meth:`zero_grad`; the loops never name a strategy. A backend overrides
+only what it changes, in one file.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from torch import nn
 from memfit import dist
 from memfit.checkpoint import load_checkpoint as load_state_file
 from memfit.checkpoint import save_checkpoint as save_state_file
+from memfit.precision import Precision
 
 
 class Strategy:
@@ -25,6 +27,7 @@ class Strategy:
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
+        self.precision: Precision = Precision()
 
     # -- environment -------------------------------------------------------------------------
     def setup_env(self, launcher: str = "none", env_cfg: dict | None = None) -> None:
@@ -33,6 +36,7 @@ class Strategy:
         dist_cfg = dict(env_cfg.get("dist_cfg") or {})
         dist.init_process_group(launcher, backend=dist_cfg.get("backend"), timeout_s=dist_cfg.get("timeout"))
         self.device = dist.default_device()
+        self.precision.to_device(self.device)
         if env_cfg.get("cudnn_benchmark") and self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
 
@@ -44,27 +48,31 @@ class Strategy:
     def world_size(self) -> int:
         return dist.get_world_size()
 
+    def set_micro_batch_size(self, batch_size: int | None) -> None:
+        """The train loader's per-rank batch size, told before :meth:`setup` (DeepSpeed's config needs it)."""
+
+    # -- precision ---------------------------------------------------------------------------
+    def precision_request(self) -> Precision | None:
+        """The precision this strategy's own options ask for (DeepSpeed's fp16/bf16, FSDP's
+        mixed_precision), or None. The connector reconciles it with the optimizer wrapper's."""
+        return None
+
+    def check_precision(self, precision: Precision) -> None:
+        """Raise ConfigError (one line) if this backend cannot run ``precision``."""
+        from memfit.precision import HalfPrecision
+
+        if isinstance(precision, HalfPrecision):
+            from memfit.errors import ConfigError
+
+            raise ConfigError(f"{type(self).__name__} has no whole-model {precision.name} mode: use "
+                              "optim_wrapper=dict(type='AmpOptimWrapper', dtype=...) (autocast)")
+
+    def set_precision(self, precision: Precision) -> None:
+        self.check_precision(precision)
+        self.precision = precision
+        precision.to_device(self.device)
+
     # -- model and optimizer -----------------------------------------------------------------
-    def prepare(
-        self,
-        model: nn.Module,
-        optim_wrapper: Any = None,
-        transforms: Callable[[nn.Module], None] | None = None,
-        optimizer_in_backward: bool = False,
-    ) -> tuple[nn.Module, Any]:
-        """Move ``model`` to the device, apply memory ``transforms``, wrap it, build the wrapper."""
-        from memfit.optim.builder import build_optim_wrapper
-
-        model = self.to_device(model)
-        if transforms is not None:
-            transforms(model)
-        model = self.wrap_model(model)
-        wrapper = None
-        if optim_wrapper is not None:
-            wrapper = build_optim_wrapper(self.unwrap(model), optim_wrapper, in_backward=optimizer_in_backward)
-            wrapper.bind(self, self.device)
-        return model, wrapper
-
     def to_device(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
         pre = getattr(model, "data_preprocessor", None)
@@ -72,39 +80,68 @@ class Strategy:
             pre.device = self.device
         return model
 
-    def wrap_model(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Wrap or shard ``model`` for this backend after the memory techniques were applied.
+
+        Returns the model the runner keeps: the same module (sharded in place, or with its forward
+        routed through a wrapper, see :mod:`memfit.strategies.route`), so its ``train_step``,
+        attributes and state-dict keys are the user's."""
         return model
 
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return getattr(model, "module", model)
-
-    def set_micro_batch_size(self, batch_size: int | None) -> None:
-        """The train loader's per-rank batch size, told before ``prepare`` (DeepSpeed's config needs it)."""
-
-    def load_weights(self, model: nn.Module, path: Any, **options: Any) -> Any:
-        """``load_from``: weights only into the unwrapped model (sharding backends gather around it)."""
-        from memfit.checkpoint import load_weights
-
-        return load_weights(self.unwrap(model), path, **options)
+    def setup(self, model: nn.Module, optim_wrapper: Any) -> None:
+        """Finish the set-up once the optimizer is built over the wrapped model (``optim_wrapper`` is
+        None when only evaluating). A backend may replace ``optim_wrapper.optimizer`` (ZeRO-1) or build
+        its engine around it; ``optim_wrapper.optimizer`` stays the object whose ``param_groups`` the
+        LR schedulers change."""
 
     # -- the step ----------------------------------------------------------------------------
-    def grad_sync_context(self, model: nn.Module, sync: bool) -> Any:
-        """A context in which backward does (sync=True) or does not all-reduce gradients."""
+    def autocast(self) -> Any:
+        """The context the training forward runs in (the precision's autocast)."""
+        return self.precision.autocast()
+
+    def no_sync(self, model: nn.Module, sync: bool) -> Any:
+        """A context around the forward after which backward does (sync=True) or does not reduce
+        gradients across ranks (accumulation's non-final micro-steps)."""
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        loss.backward(**kwargs)
+        self.precision.scale_loss(loss).backward(**kwargs)
 
-    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0, **kw: Any):
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, clip_grad: dict | None = None,
+                       **kwargs: Any) -> torch.Tensor | None:
+        """Unscale, clip (returns the norm, a tensor), step. Called once per accumulation window."""
+        self.precision.unscale(optimizer)
+        norm = None
+        if clip_grad:
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            norm = self.clip_grad_norm(params, **clip_grad)
+        self.precision.step(optimizer, **kwargs)
+        return norm
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
+        optimizer.zero_grad(**kwargs)
+
+    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                       **kw: Any) -> torch.Tensor:
         return nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, **kw)
 
-    # -- state -------------------------------------------------------------------------------
-    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The full (unsharded) model state dict."""
-        return self.unwrap(model).state_dict()
+    def log_scalars(self) -> dict[str, Any]:
+        """Scalars for the log line (loss scale, skipped steps): tensors, converted when printed."""
+        return self.precision.log_scalars()
 
-    def load_model_state_dict(self, model: nn.Module, state: dict, strict: bool = True) -> Any:
-        return self.unwrap(model).load_state_dict(state, strict=strict)
+    # -- state -------------------------------------------------------------------------------
+    def load_weights(self, model: nn.Module, path: Any, **options: Any) -> Any:
+        """``load_from``: weights only (sharding backends gather around it)."""
+        from memfit.checkpoint import load_weights
+
+        return load_weights(model, path, **options)
+
+    def model_state_dict(self, model: nn.Module) -> Any:
+        """The full (unsharded) model state dict; sharded backends return shards or a reference."""
+        return model.state_dict()
+
+    def load_model_state_dict(self, model: nn.Module, state: Any, strict: bool = True) -> Any:
+        return model.load_state_dict(state, strict=strict)
 
     def optim_state_dict(self, model: nn.Module, wrapper: Any) -> dict:
         """The optimizer wrapper's state to checkpoint (sharded strategies return their shards)."""
@@ -118,8 +155,7 @@ class Strategy:
         if groups and all(isinstance(p, str) for g in groups for p in g["params"]):
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-            set_optimizer_state_dict(self.unwrap(model), wrapper.optimizer, osd,
-                                     options=StateDictOptions(full_state_dict=True))
+            set_optimizer_state_dict(model, wrapper.optimizer, osd, options=StateDictOptions(full_state_dict=True))
             state = {**state, "optimizer": wrapper.optimizer.state_dict()}
         wrapper.load_state_dict(state)
 
@@ -141,7 +177,7 @@ class Strategy:
     def load_checkpoint(self, path: str | Path) -> dict:
         """A checkpoint file, or a sharded directory gathered into full tensors in this process."""
         if Path(path).is_dir():
-            from memfit.strategies.fsdp import read_sharded_checkpoint
+            from memfit.checkpoint.dcp import read_sharded_checkpoint
 
             return read_sharded_checkpoint(path)
         return load_state_file(path)

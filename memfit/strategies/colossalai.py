@@ -10,16 +10,15 @@ refused on CPU with a one-line error instead of failing deep inside colossalai.
 memfit joins the process group itself (colossalai's ``launch_from_torch`` no longer takes the
 ``config=`` that MMEngine's strategy passes). The DDP plugin's model and optimizer hold full state on
 every rank, so its checkpoints are memfit's own single file; Gemini/LowLevelZero shard the optimizer
-and write through the booster's sharded checkpoint I/O into a directory renamed into place atomically.
+and write through the booster's sharded checkpoint I/O as a directory checkpoint
+(:mod:`memfit.checkpoint.directory`: atomic, the previous checkpoint readable after a crash).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +26,12 @@ import torch
 from torch import nn
 
 from memfit import dist
+from memfit.checkpoint.directory import StateRef, read_extras, save_directory, split_state
 from memfit.errors import ConfigError
-from memfit.optim.wrapper import AmpOptimWrapper, OptimWrapper
+from memfit.precision import AutocastPrecision, HalfPrecision, Precision, parse_dtype
 from memfit.registry import OPTIMIZERS, STRATEGIES
 from memfit.strategies.base import Strategy
-from memfit.strategies.wrapped import StepThroughWrapper
+from memfit.strategies.route import route_forward
 
 logger = logging.getLogger("memfit")
 
@@ -109,161 +109,104 @@ class ColossalAIStrategy(Strategy):
         from colossalai import booster
 
         kwargs = dict(self.plugin_kwargs)
-        if self.sharded and self.mixed_precision:
-            kwargs.setdefault("precision", self.mixed_precision)
+        if self.sharded and isinstance(self.precision, HalfPrecision):
+            kwargs.setdefault("precision", "fp16" if self.precision.dtype is torch.float16 else "bf16")
         return getattr(booster.plugin, self.plugin_name)(**kwargs)
 
-    # -- building ----------------------------------------------------------------------------
-    def prepare(self, model: nn.Module, optim_wrapper: Any = None,
-                transforms: Callable[[nn.Module], None] | None = None,
-                optimizer_in_backward: bool = False) -> tuple[nn.Module, Any]:
-        """Apply memory ``transforms``, build the optimizer from the config, boost both."""
-        from colossalai.booster import Booster
+    # -- precision ---------------------------------------------------------------------------
+    def precision_request(self) -> Precision | None:
+        """``mixed_precision``: the sharded plugins' own ``precision`` (fp32 master weights kept by the
+        plugin, a :class:`HalfPrecision`); torch autocast for the DDP plugin."""
+        if self.mixed_precision is None:
+            return None
+        dtype = parse_dtype(self.mixed_precision, "strategy.mixed_precision")
+        return HalfPrecision(dtype) if self.sharded else AutocastPrecision(dtype)
 
-        from memfit.optim.builder import build_optim_wrapper
-
-        if optimizer_in_backward:
-            raise ConfigError("cfg.optimizer_in_backward does not combine with ColossalAIStrategy: remove it")
-        model = self.to_device(model)
-        if transforms is not None:
-            transforms(model)
-        wrapper = None
-        if optim_wrapper is not None:
-            cfg = self._wrapper_cfg(optim_wrapper)
-            wrapper = build_optim_wrapper(model, cfg)
-        self.booster = Booster(plugin=self._plugin())
-        boosted, boosted_opt, *_ = self.booster.boost(model, wrapper.optimizer if wrapper is not None else None)
-        self._boosted = (boosted, boosted_opt)  # what the booster's checkpoint I/O saves and loads
-        if wrapper is not None:
-            wrapper.bind(self, self.device)
-            wrapper.boosted = boosted_opt
-        return StepThroughWrapper(boosted, model), wrapper
-
-    def _wrapper_cfg(self, cfg: Any) -> dict:
-        if not isinstance(cfg, Mapping):
-            raise ConfigError(f"optim_wrapper must be a config dict under ColossalAIStrategy, got {type(cfg).__name__}")
-        cfg = dict(cfg)
-        kind = cfg.pop("type", "OptimWrapper")
-        kind = getattr(kind, "__name__", kind)
-        if kind not in ("OptimWrapper", "AmpOptimWrapper", "ColossalAIOptimWrapper"):
-            raise ConfigError(f"optim_wrapper.type={kind!r} under ColossalAIStrategy: use OptimWrapper or "
-                              "AmpOptimWrapper")
-        if kind == "AmpOptimWrapper" and self.sharded:
+    def check_precision(self, precision: Precision) -> None:
+        if self.sharded and isinstance(precision, AutocastPrecision):
             raise ConfigError("AmpOptimWrapper under a sharded colossalai plugin: the plugin owns precision; set "
                               "strategy mixed_precision='fp16'|'bf16' and use OptimWrapper")
-        if kind == "AmpOptimWrapper" or (self.mixed_precision and not self.sharded):
-            cfg.setdefault("dtype", {"fp16": "float16", "bf16": "bfloat16"}.get(self.mixed_precision))
-            return {"type": ColossalAIAmpOptimWrapper, **cfg}
-        return {"type": ColossalAIOptimWrapper, **cfg}
+        if not self.sharded:
+            super().check_precision(precision)
+
+    # -- building ----------------------------------------------------------------------------
+    def setup(self, model: nn.Module, optim_wrapper: Any) -> None:
+        """Boost the model and the wrapper's torch optimizer; the model's forward then runs through
+        the boosted model. ``optim_wrapper.optimizer`` stays the torch optimizer (its param_groups
+        are what the LR schedulers change); backward and step go through the boosted one."""
+        from colossalai.booster import Booster
+
+        self.booster = Booster(plugin=self._plugin())
+        optimizer = optim_wrapper.optimizer if optim_wrapper is not None else None
+        boosted, boosted_opt, *_ = self.booster.boost(model, optimizer)
+        self._boosted = (boosted, boosted_opt)  # what the booster's checkpoint I/O saves and loads
+        route_forward(model, boosted)
 
     # -- the step ----------------------------------------------------------------------------
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return getattr(model, "module", model)
-
-    def grad_sync_context(self, model: nn.Module, sync: bool) -> Any:
+    def no_sync(self, model: nn.Module, sync: bool) -> Any:
         boosted = self._boosted[0]
         if sync or boosted is None or not self.booster.plugin.support_no_sync():
             return contextlib.nullcontext()
         return self.booster.no_sync(boosted)
 
-    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0, **kw: Any):
-        return nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, **kw)
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Through the boosted optimizer: it unscales, reduces and shards as its plugin needs."""
+        self._boosted[1].backward(self.precision.scale_loss(loss), **kwargs)
+
+    def optimizer_step(self, optimizer: Any, clip_grad: dict | None = None, **kwargs: Any) -> torch.Tensor | None:
+        if not self.sharded:  # the DDP plugin's boosted optimizer is the torch one behind a thin wrapper
+            return super().optimizer_step(optimizer, clip_grad, **kwargs)
+        norm = None
+        if clip_grad:
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            norm = self.clip_grad_norm(params, **clip_grad)
+        self._boosted[1].step(**kwargs)
+        return norm
+
+    def zero_grad(self, optimizer: Any, **kwargs: Any) -> None:
+        self._boosted[1].zero_grad(**kwargs)
 
     # -- state -------------------------------------------------------------------------------
     def model_state_dict(self, model: nn.Module) -> Any:
-        return self.unwrap(model).state_dict() if not self.sharded else _Booster("model")
+        return model.state_dict() if not self.sharded else StateRef(None, "model")
 
     def optim_state_dict(self, model: nn.Module, wrapper: Any) -> dict:
         if not self.sharded:
             return wrapper.state_dict()
-        return {**{k: v for k, v in wrapper.state_dict().items() if k != "optimizer"}, "optimizer": _Booster("opt")}
+        return {**wrapper.state_dict(with_optimizer=False), "optimizer": StateRef(None, "optimizer")}
 
     def save_checkpoint(self, path: str | Path, state: dict) -> None:
         """DDP plugin: memfit's single file. Sharded plugins: the booster's sharded model and optimizer
-        files plus memfit's extras in a directory renamed into place (every rank must call this)."""
+        files as one directory checkpoint (:mod:`memfit.checkpoint.directory`); every rank calls this."""
         if not self.sharded:
             return super().save_checkpoint(path, state)
-        from memfit.checkpoint import save_checkpoint as save_state_file
-
-        path = Path(path)
-        tmp = path.parent / dist.broadcast_object(f".{path.name}.tmp-{os.getpid()}")
         model, optimizer = self._boosted
-        self.booster.save_model(model, str(tmp / "model"), shard=True)
-        self.booster.save_optimizer(optimizer, str(tmp / "optimizer"), shard=True)
-        extras = {k: v for k, v in state.items() if k not in ("state_dict", "grads")}
-        extras["optim_wrapper"] = {k: v for k, v in extras.get("optim_wrapper", {}).items() if k != "optimizer"}
-        dist.barrier()
-        if dist.is_main_process():
-            save_state_file(extras, tmp / "memfit_state.pth")
-            if path.exists():
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-            os.replace(tmp, path)
-        dist.barrier()
+
+        def write(tmp: Path) -> None:
+            self.booster.save_model(model, str(tmp / "model"), shard=True)
+            self.booster.save_optimizer(optimizer, str(tmp / "optimizer"), shard=True)
+
+        save_directory(path, split_state(state)[1], write)
 
     def load_checkpoint(self, path: str | Path) -> dict:
         path = Path(path)
         if not (self.sharded and path.is_dir()):
             return super().load_checkpoint(path)
-        from memfit.checkpoint import load_checkpoint as load_state_file
-
-        state = load_state_file(path / "memfit_state.pth")
-        state["state_dict"] = _Booster("model", path / "model")
+        state = read_extras(path)
+        state["state_dict"] = StateRef(path / "model", "model")
         if "optim_wrapper" in state:
-            state["optim_wrapper"]["optimizer"] = _Booster("opt", path / "optimizer")
+            state["optim_wrapper"]["optimizer"] = StateRef(path / "optimizer", "optimizer")
         return state
 
     def load_model_state_dict(self, model: nn.Module, state: Any, strict: bool = True) -> Any:
-        if isinstance(state, _Booster):
+        if isinstance(state, StateRef):
             return self.booster.load_model(self._boosted[0], str(state.path), strict=strict)
         return super().load_model_state_dict(model, state, strict)
 
     def load_optim_state_dict(self, model: nn.Module, wrapper: Any, state: dict) -> None:
         osd = state.get("optimizer")
-        if isinstance(osd, _Booster):
-            self.booster.load_optimizer(wrapper.boosted, str(osd.path))
-            wrapper.inner_count = state.get("inner_count", wrapper.inner_count)
+        if isinstance(osd, StateRef):
+            self.booster.load_optimizer(self._boosted[1], str(osd.path))
+            wrapper.load_state_dict({k: v for k, v in state.items() if k != "optimizer"})
             return
         super().load_optim_state_dict(model, wrapper, state)
-
-
-class _Booster:
-    """Stands for state the booster writes and reads itself."""
-
-    def __init__(self, what: str, path: Path | None = None) -> None:
-        self.what, self.path = what, path
-
-
-class _BoostedSteps:
-    """Backward and step through the boosted optimizer (it unscales, reduces and shards as its plugin
-    needs); ``optimizer`` stays the torch optimizer, whose param_groups the LR schedulers change."""
-
-    boosted: Any = None
-
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        if self.boosted is None:
-            return super().backward(loss, **kwargs)
-        if getattr(self, "scaler", None) is not None:
-            loss = self.scaler.scale(loss)
-        self.boosted.backward(loss, **kwargs)
-
-    def _step_optimizer(self) -> Any:
-        return self.boosted if self.boosted is not None else self.optimizer
-
-
-class ColossalAIOptimWrapper(_BoostedSteps, OptimWrapper):
-    """OptimWrapper whose step goes through colossalai's boosted optimizer."""
-
-    def step(self, **kwargs: Any) -> None:
-        if self.clip_grad:
-            self.grad_norm = self._clip_grads()
-        self._step_optimizer().step(**kwargs)
-
-    def zero_grad(self, **kwargs: Any) -> None:
-        self._step_optimizer().zero_grad(**kwargs)
-
-
-class ColossalAIAmpOptimWrapper(_BoostedSteps, AmpOptimWrapper):
-    """AmpOptimWrapper (torch autocast, GradScaler for fp16) for the DDP plugin."""
-
-    def zero_grad(self, **kwargs: Any) -> None:
-        self._step_optimizer().zero_grad(**kwargs)

@@ -1,12 +1,12 @@
 """DDPStrategy: DistributedDataParallel, optionally with ZeRO-1 optimizer-state sharding.
 
 The model is replicated; gradients are all-reduced during backward by DDP's hooks, which fire only
-when the forward ran through the DDP module. The runner calls ``model.train_step``, so the wrapper
-is :class:`MemfitDDP`, a DDP subclass whose ``train_step`` runs the inner BaseModel's step with the
-forward routed through DDP (MMEngine's MMDistributedDataParallel does the same).
+when the forward ran through the DDP module. The runner keeps the user's model and calls its own
+``train_step``; its forward is routed through DDP (:mod:`memfit.strategies.route`) while gradients
+are enabled, so evaluation runs the plain model and issues no collectives.
 
 ZeRO-1 (VISSL's ``OPTIMIZER.name: zero``): ``DDPStrategy(zero=True)`` or
-``optim_wrapper=dict(type='ZeroOptimWrapper', ...)`` replaces the optimizer with
+``optim_wrapper=dict(type='ZeroOptimWrapper', ...)`` (the connector maps it) replaces the optimizer with
 ``torch.distributed.optim.ZeroRedundancyOptimizer``, so each rank keeps the optimizer state of its
 share of the parameters only. Checkpoints consolidate that state on rank 0 into one file in
 ``torch.optim``'s format, which loads at any world size, with or without ZeRO.
@@ -14,7 +14,6 @@ share of the parameters only. Checkpoints consolidate that state on rank 0 into 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -24,34 +23,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from memfit import dist
 from memfit.errors import ConfigError
-from memfit.optim.wrapper import OptimWrapper
-from memfit.registry import OPTIM_WRAPPERS, STRATEGIES
+from memfit.registry import STRATEGIES
 from memfit.strategies.base import Strategy
-
-
-class MemfitDDP(DistributedDataParallel):
-    """DDP whose ``train_step`` runs the wrapped BaseModel's step with the forward through DDP."""
-
-    def train_step(self, data: Any, optim_wrapper: Any) -> dict[str, torch.Tensor]:
-        inner = self.module
-        with optim_wrapper.optim_context(self):
-            data = inner.data_preprocessor(data, True)
-            if isinstance(data, Mapping):
-                losses = self(**data, mode="loss")
-            elif isinstance(data, (list, tuple)):
-                losses = self(*data, mode="loss")
-            else:
-                losses = self(data, mode="loss")
-        parsed, log_vars = inner.parse_losses(losses)
-        optim_wrapper.update_params(parsed)
-        return log_vars
-
-    # Evaluation needs no gradient hooks: the inner model's steps are used as they are.
-    def val_step(self, data: Any) -> Any:
-        return self.module.val_step(data)
-
-    def test_step(self, data: Any) -> Any:
-        return self.module.test_step(data)
+from memfit.strategies.route import route_forward
 
 
 def shard_optimizer(optimizer: torch.optim.Optimizer) -> ZeroRedundancyOptimizer:
@@ -73,19 +47,6 @@ def shard_optimizer(optimizer: torch.optim.Optimizer) -> ZeroRedundancyOptimizer
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     groups = [dict(g) for g in optimizer.param_groups]
     return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **defaults)
-
-
-@OPTIM_WRAPPERS.register()
-class ZeroOptimWrapper(OptimWrapper):
-    """OptimWrapper over a ZeroRedundancyOptimizer (ZeRO-1): ``optim_wrapper=dict(type='ZeroOptimWrapper',
-    optimizer=dict(type='SGD', lr=0.1))``. Requires DDPStrategy; equivalent to ``DDPStrategy(zero=True)``."""
-
-    def bind(self, strategy: Any, device: torch.device) -> None:
-        if not isinstance(strategy, DDPStrategy):
-            raise ConfigError(f"optim_wrapper.type='ZeroOptimWrapper' needs strategy='ddp' (DDPStrategy), "
-                              f"not {type(strategy).__name__}; FSDPStrategy already shards the optimizer")
-        super().bind(strategy, device)
-        self.optimizer = shard_optimizer(self.optimizer)
 
 
 @STRATEGIES.register()
@@ -110,31 +71,30 @@ class DDPStrategy(Strategy):
         self.ddp_kwargs = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
                                **{sync_key: broadcast_buffers}, **ddp_kwargs)
         self.zero = bool(zero)
+        self.ddp: DistributedDataParallel | None = None
 
     def setup_env(self, launcher: str = "none", env_cfg: dict | None = None) -> None:
         """As the base, and a one-process group when not launched, so the same config runs anywhere."""
         super().setup_env(dist.launcher_from_env(launcher), env_cfg)
         dist.ensure_process_group((env_cfg or {}).get("dist_cfg") or {})
 
-    def prepare(self, model: nn.Module, optim_wrapper: Any = None, transforms: Any = None,
-                optimizer_in_backward: bool = False) -> tuple[nn.Module, Any]:
-        model, wrapper = super().prepare(model, optim_wrapper, transforms, optimizer_in_backward)
-        if wrapper is not None and self.zero:
-            wrapper.optimizer = shard_optimizer(wrapper.optimizer)
-        return model, wrapper
-
-    def wrap_model(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module) -> nn.Module:
         if not any(p.requires_grad for p in model.parameters()):
             return model  # nothing to synchronise (evaluation of a frozen model); DDP would refuse it
         device_ids = [self.device] if self.device.type == "cuda" else None
-        return MemfitDDP(model, device_ids=device_ids, **self.ddp_kwargs)
+        self.ddp = DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)
+        return route_forward(model, self.ddp, when=torch.is_grad_enabled)
 
-    def grad_sync_context(self, model: nn.Module, sync: bool) -> Any:
+    def setup(self, model: nn.Module, optim_wrapper: Any) -> None:
+        if optim_wrapper is not None and self.zero:
+            optim_wrapper.optimizer = shard_optimizer(optim_wrapper.optimizer)
+
+    def no_sync(self, model: nn.Module, sync: bool) -> Any:
         """DDP's ``no_sync`` on non-final micro-steps: the forward inside it skips preparing the
         all-reduce, so the backward that follows (outside the context) only accumulates locally."""
-        if not sync and isinstance(model, DistributedDataParallel):
-            return model.no_sync()
-        return super().grad_sync_context(model, sync)
+        if not sync and self.ddp is not None:
+            return self.ddp.no_sync()
+        return super().no_sync(model, sync)
 
     def optim_state_dict(self, model: nn.Module, wrapper: Any) -> dict:
         """ZeRO: every rank sends its shard to rank 0, which holds the whole state (others hold none)."""

@@ -7,26 +7,25 @@ there is one source of truth: ``train_micro_batch_size_per_gpu`` from the train 
 ``batch_size``, ``gradient_accumulation_steps`` from ``optim_wrapper.accumulative_counts`` and
 ``gradient_clipping`` from ``optim_wrapper.clip_grad``.
 
-Precision: an ``AmpOptimWrapper`` (``--amp``) becomes DeepSpeed's ``torch_autocast`` section:
+Precision (chosen by :mod:`memfit.connector`): an :class:`AutocastPrecision` (``AmpOptimWrapper``,
+``--amp``, Apex O1 ``amp``) becomes DeepSpeed's ``torch_autocast`` section:
 parameters, master weights and the loss stay fp32 and only autocast-safe ops run in half (a
 GradScaler for fp16), so memfit's fp32 islands still hold. DeepSpeed's whole-model ``fp16``/``bf16``
 modes cast every parameter and the loss computed inside the model to half, like Apex O2: that is
 why the seed's DINO run overflowed every step. They stay available when asked for, with a warning.
 
-Checkpoints are directories written by ``engine.save_checkpoint`` (each rank its own ZeRO shard)
-plus memfit's plain extras (loop position, sampler, RNG, schedulers) in ``memfit_state.pth``,
-renamed into place atomically. ``memfit export`` consolidates them with DeepSpeed's zero_to_fp32.
+Checkpoints are directory checkpoints (:mod:`memfit.checkpoint.directory`) whose shards
+``engine.save_checkpoint`` writes (each rank its own ZeRO shard); ``memfit export`` consolidates
+them with DeepSpeed's zero_to_fp32 (:mod:`memfit.checkpoint.deepspeed`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
-import shutil
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,17 +33,16 @@ import torch
 from torch import nn
 
 from memfit import dist
-from memfit.checkpoint.io import fsync_dir
+from memfit.checkpoint.deepspeed import ENGINE_TAG, is_deepspeed_checkpoint, weights_only_loads
+from memfit.checkpoint.directory import StateRef, read_extras, save_directory, split_state
 from memfit.errors import CheckpointError, ConfigError
+from memfit.precision import APEX_OPT_LEVELS, AutocastPrecision, HalfPrecision, Precision, dtype_name, parse_dtype
 from memfit.registry import STRATEGIES
 from memfit.strategies.base import Strategy
-from memfit.strategies.wrapped import StepThroughWrapper
+from memfit.strategies.route import route_forward
 
 logger = logging.getLogger("memfit")
 
-ENGINE_TAG = "engine"  # DeepSpeed's "tag" sub-directory inside a memfit checkpoint directory
-EXTRAS_FILE = "memfit_state.pth"
-_WRAPPERS = ("DeepSpeedOptimWrapper", "OptimWrapper", "AmpOptimWrapper")
 _HALF_WARNING = (
     "DeepSpeedStrategy {mode}=dict(enabled=True) casts the whole model, and the loss computed inside it, to "
     "{dtype} (like Apex O2): numerically sensitive ops (log/exp, small epsilons, large sums) can overflow or stall "
@@ -105,7 +103,6 @@ class DeepSpeedStrategy(Strategy):
         self.bn_fp32 = bn_fp32
         self.micro_batch_size: int | None = None
         self.engine: Any = None
-        self.half_dtype: torch.dtype | None = None  # set in whole-model fp16/bf16 mode
 
     # -- environment -------------------------------------------------------------------------
     def setup_env(self, launcher: str = "none", env_cfg: dict | None = None) -> None:
@@ -120,79 +117,75 @@ class DeepSpeedStrategy(Strategy):
     def set_micro_batch_size(self, batch_size: int | None) -> None:
         self.micro_batch_size = batch_size
 
+    # -- precision ---------------------------------------------------------------------------
+    def precision_request(self) -> Precision | None:
+        """What this strategy's own DeepSpeed keys ask for: ``fp16``/``bf16`` (whole-model half),
+        ``amp`` (Apex O1: autocast) or ``torch_autocast``."""
+        half = [mode for mode in ("fp16", "bf16") if (self.ds_config.get(mode) or {}).get("enabled", False)]
+        if len(half) > 1:
+            raise ConfigError("strategy fp16 and bf16 are both enabled: enable one")
+        if half:
+            return HalfPrecision(torch.float16 if half[0] == "fp16" else torch.bfloat16)
+        apex = self.ds_config.get("amp") or {}
+        if apex and apex.get("enabled", True):
+            level = apex.get("opt_level", "O1")
+            logger.info(f"DeepSpeedStrategy amp (Apex {level}) runs as torch autocast")
+            return AutocastPrecision(parse_dtype(APEX_OPT_LEVELS.get(level, "float16")))
+        user = self.ds_config.get("torch_autocast") or {}
+        if user.get("enabled"):
+            return AutocastPrecision(parse_dtype(user.get("dtype", "bfloat16"), "strategy.torch_autocast.dtype"))
+        return None
+
+    def check_precision(self, precision: Precision) -> None:
+        from deepspeed.accelerator import get_accelerator
+
+        if isinstance(precision, HalfPrecision):
+            if precision.dtype is torch.float16 and not get_accelerator().is_fp16_supported():
+                raise ConfigError(f"strategy fp16=dict(enabled=True): DeepSpeed's {get_accelerator().device_name()} "
+                                  "accelerator has no fp16 mode; use bf16=dict(enabled=True) or, better, "
+                                  "optim_wrapper=dict(type='AmpOptimWrapper') (torch autocast)")
+            logger.warning(_HALF_WARNING.format(mode=precision.name[:4].replace("-", ""),
+                                                dtype=dtype_name(precision.dtype)))
+        elif isinstance(precision, AutocastPrecision) and precision.loss_scale != "dynamic":
+            raise ConfigError(f"optim_wrapper.loss_scale={precision.loss_scale!r}: DeepSpeed's torch_autocast uses a "
+                              "dynamic GradScaler; remove loss_scale")
+
     # -- building the engine -----------------------------------------------------------------
-    def prepare(self, model: nn.Module, optim_wrapper: Any = None,
-                transforms: Callable[[nn.Module], None] | None = None,
-                optimizer_in_backward: bool = False) -> tuple[nn.Module, Any]:
-        """Apply memory ``transforms``, build the torch optimizer and the DeepSpeed config from memfit's
-        settings, and hand both to ``deepspeed.initialize``."""
+    def setup(self, model: nn.Module, optim_wrapper: Any) -> None:
+        """Build the DeepSpeed config from memfit's settings and hand the model and the wrapper's torch
+        optimizer to ``deepspeed.initialize``; the model's forward then runs through the engine."""
         import deepspeed
 
-        from memfit.optim.builder import build_optimizer
-        from memfit.optim.deepspeed import DeepSpeedOptimWrapper
-
-        if optimizer_in_backward:
-            raise ConfigError("cfg.optimizer_in_backward does not combine with DeepSpeedStrategy (the engine steps "
-                              "its ZeRO optimizer): remove it")
-        model = self.to_device(model)
-        if transforms is not None:
-            transforms(model)
-        wrapper_kwargs, amp = self._wrapper_settings(optim_wrapper)
-        config = self.build_config(wrapper_kwargs.get("accumulative_counts", 1), wrapper_kwargs.get("clip_grad"), amp)
-        optimizer = None
-        if optim_wrapper is not None:
-            optimizer = build_optimizer(model, wrapper_kwargs.pop("optimizer"), wrapper_kwargs.pop("paramwise_cfg"))
+        counts = optim_wrapper.accumulative_counts if optim_wrapper is not None else 1
+        clip = optim_wrapper.clip_grad if optim_wrapper is not None else None
+        if clip and clip.get("norm_type", 2) not in (2, 2.0):
+            raise ConfigError(f"optim_wrapper.clip_grad={clip!r}: DeepSpeed clips by the L2 norm only (norm_type=2)")
+        config = self.build_config(counts, clip)
+        optimizer = optim_wrapper.optimizer if optim_wrapper is not None else None
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                                dist_init_required=False)
         if self.half_dtype is not None and self.bn_fp32:
             keep_batchnorm_fp32(self.engine.module)
-        wrapper = None
-        if optimizer is not None:
-            wrapper = DeepSpeedOptimWrapper(optimizer, **wrapper_kwargs)
-            wrapper.bind(self, self.device)
-            wrapper.attach(self.engine)
-        cast = functools.partial(cast_inputs, which=self.inputs_to_half, dtype=self.half_dtype)
-        return StepThroughWrapper(self.engine, self.engine.module, cast), wrapper
+        route_forward(model, self.engine, prepare=self._cast_call)
 
-    def _wrapper_settings(self, cfg: Any) -> tuple[dict[str, Any], dict | None]:
-        """Split an optim_wrapper config into DeepSpeedOptimWrapper kwargs and an autocast request."""
-        if cfg is None:
-            return {}, None
-        if not isinstance(cfg, Mapping):
-            raise ConfigError(f"optim_wrapper must be a config dict under DeepSpeedStrategy (the engine builds the "
-                              f"wrapper around its own optimizer), got {type(cfg).__name__}")
-        cfg = dict(cfg)
-        kind = cfg.pop("type", "DeepSpeedOptimWrapper")
-        kind = getattr(kind, "__name__", kind)
-        if kind not in _WRAPPERS:
-            raise ConfigError(f"optim_wrapper.type={kind!r} under DeepSpeedStrategy: use one of {', '.join(_WRAPPERS)}")
-        if "optimizer" not in cfg:
-            raise ConfigError("optim_wrapper.optimizer is missing: e.g. optimizer=dict(type='AdamW', lr=1e-3)")
-        amp = None
-        if kind == "AmpOptimWrapper":
-            from memfit.precision import default_amp_dtype, parse_dtype
+    def _cast_call(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``inputs_to_half`` on a forward call: positions index the positional inputs, names the keyword ones."""
+        which, dtype = self.inputs_to_half, self.half_dtype
+        if not which or dtype is None:
+            return args, kwargs
+        positions = [w for w in which if isinstance(w, int)]
+        names = [w for w in which if not isinstance(w, int)]
+        return (cast_inputs(args, positions, dtype) if positions else args,
+                cast_inputs(kwargs, names, dtype) if names else kwargs)
 
-            dtype = parse_dtype(cfg.pop("dtype", None), "optim_wrapper.dtype") or default_amp_dtype(self.device.type)
-            loss_scale = cfg.pop("loss_scale", "dynamic")
-            if loss_scale != "dynamic":
-                raise ConfigError(f"optim_wrapper.loss_scale={loss_scale!r}: DeepSpeed's torch_autocast uses a dynamic "
-                                  "GradScaler; remove loss_scale")
-            cfg.pop("fp32_modules", None)  # applied as a memory transform before the engine is built
-            cfg.pop("use_fsdp", None)
-            amp = {"enabled": True, "dtype": str(dtype).removeprefix("torch.")}
-        cfg.pop("constructor", None)
-        kwargs = {"optimizer": cfg.pop("optimizer"), "paramwise_cfg": cfg.pop("paramwise_cfg", None),
-                  "accumulative_counts": cfg.pop("accumulative_counts", 1), "clip_grad": cfg.pop("clip_grad", None)}
-        if cfg:
-            raise ConfigError(f"optim_wrapper: unknown key(s) {sorted(cfg)} for {kind} under DeepSpeedStrategy")
-        return kwargs, amp
+    @property
+    def half_dtype(self) -> torch.dtype | None:
+        """The parameters' dtype in whole-model fp16/bf16 mode, else None."""
+        return self.precision.dtype if isinstance(self.precision, HalfPrecision) else None
 
-    def build_config(self, accumulative_counts: int = 1, clip_grad: dict | None = None,
-                     amp: dict | None = None) -> dict[str, Any]:
+    def build_config(self, accumulative_counts: int = 1, clip_grad: dict | None = None) -> dict[str, Any]:
         """The DeepSpeed config dict: the user's keys plus what memfit owns (batch, accumulation,
         clipping, precision). A value given in both places must agree."""
-        from deepspeed.accelerator import get_accelerator
-
         config = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in self.ds_config.items()}
         micro = self.micro_batch_size or 1  # evaluation only: DeepSpeed still wants a number
         _owned(config, "train_micro_batch_size_per_gpu", micro, "train_dataloader.batch_size")
@@ -211,47 +204,56 @@ class DeepSpeedStrategy(Strategy):
             for key in ("offload_optimizer", "offload_param"):
                 if isinstance(zero.get(key), Mapping) and self.device.type == "cpu":
                     zero[key] = {"pin_memory": False, **zero[key]}  # no pinned memory without a GPU
-        if "amp" in config:
-            # DeepSpeed removed its Apex AMP integration; Apex O1 is torch autocast (memfit.precision).
-            from memfit.precision import APEX_OPT_LEVELS
-
-            apex = dict(config.pop("amp") or {})
-            if apex.get("enabled", True):
-                level = apex.get("opt_level", "O1")
-                amp = amp or {"enabled": True, "dtype": APEX_OPT_LEVELS.get(level, "float16")}
-                logger.info(f"DeepSpeedStrategy amp (Apex {level}) runs as torch autocast ({amp['dtype']})")
-        half = [mode for mode in ("fp16", "bf16") if (config.get(mode) or {}).get("enabled", False)]
-        if amp is not None:
-            if half:
-                raise ConfigError(f"AmpOptimWrapper (torch autocast) and strategy {half[0]}=dict(enabled=True) "
-                                  f"(whole-model half) are two precisions: keep one")
-            user = config.get("torch_autocast") or {}
-            if user.get("enabled") and str(user.get("dtype", amp["dtype"])).removeprefix("torch.") != amp["dtype"]:
-                raise ConfigError(f"strategy.torch_autocast.dtype={user['dtype']!r} and optim_wrapper dtype "
-                                  f"{amp['dtype']!r} disagree: set one of them")
+        config.pop("amp", None)  # DeepSpeed removed its Apex integration: Apex O1 is torch autocast here
+        if isinstance(self.precision, AutocastPrecision):
             # DeepSpeed reduces the gradients of Linear/Conv weights in the autocast dtype by default; memfit
             # keeps torch AMP's semantics (fp32 gradients, exact against one process) unless the user lists
             # lower_precision_safe_modules to trade that for half the gradient traffic.
-            config["torch_autocast"] = {"lower_precision_safe_modules": [], **user, **amp}
-        if len(half) > 1:
-            raise ConfigError("strategy fp16 and bf16 are both enabled: enable one")
-        if half:
-            dtype = torch.float16 if half[0] == "fp16" else torch.bfloat16
-            if dtype is torch.float16 and not get_accelerator().is_fp16_supported():
-                raise ConfigError(f"strategy fp16=dict(enabled=True): DeepSpeed's {get_accelerator().device_name()} "
-                                  "accelerator has no fp16 mode; use bf16=dict(enabled=True) or, better, "
-                                  "optim_wrapper=dict(type='AmpOptimWrapper') (torch autocast)")
-            logger.warning(_HALF_WARNING.format(mode=half[0], dtype=str(dtype).removeprefix("torch.")))
-            self.half_dtype = dtype
-        elif self.inputs_to_half:
+            config["torch_autocast"] = {"lower_precision_safe_modules": [], **(config.get("torch_autocast") or {}),
+                                        "enabled": True, "dtype": dtype_name(self.precision.dtype)}
+        elif isinstance(self.precision, HalfPrecision):
+            mode = "fp16" if self.precision.dtype is torch.float16 else "bf16"
+            config[mode] = {**(config.get(mode) or {}), "enabled": True}
+        if self.inputs_to_half and self.half_dtype is None:
             logger.info("DeepSpeedStrategy inputs_to_half is ignored: the model runs in fp32 (autocast casts "
                         "inside the ops that are safe in half)")
         return config
 
-    # -- placement ---------------------------------------------------------------------------
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return self.engine.module if self.engine is not None else model
+    # -- the step ----------------------------------------------------------------------------
+    def autocast(self) -> Any:
+        """Nothing to enter: autocast runs inside the engine's forward (its ``torch_autocast`` section)."""
+        return contextlib.nullcontext()
 
+    def no_sync(self, model: nn.Module, sync: bool) -> Any:
+        """DeepSpeed reduces gradients only at the boundary marked here, before the forward."""
+        self.engine.set_gradient_accumulation_boundary(sync)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """The engine's backward (it scales in its half modes). DeepSpeed's contract is a ``step()`` after
+        every backward; off the window's boundary it only advances the engine's counters. The engine's
+        own loss division is off (``scale_wrt_gas=False``): the wrapper divides by the real window size."""
+        self.engine.backward(loss, scale_wrt_gas=False, **kwargs)
+        if not self.engine.is_gradient_accumulation_boundary():
+            self.engine.step()
+
+    def optimizer_step(self, optimizer: Any, clip_grad: dict | None = None, **kwargs: Any) -> torch.Tensor | None:
+        """The engine reduces, clips (``gradient_clipping``, from clip_grad) and steps its ZeRO optimizer."""
+        self.engine.step(**kwargs)
+        if not clip_grad:
+            return None
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else torch.as_tensor(float(norm))
+
+    def zero_grad(self, optimizer: Any, **kwargs: Any) -> None:
+        """The engine clears (or re-partitions) gradients after its own step."""
+
+    def log_scalars(self) -> dict[str, Any]:
+        if self.engine is not None and (self.engine.fp16_enabled() or self.engine.bfloat16_enabled()):
+            return {"skipped_steps": torch.as_tensor(int(self.engine.skipped_steps))}
+        return {}
+
+    # -- state -------------------------------------------------------------------------------
     def load_weights(self, model: nn.Module, path: Any, **options: Any) -> Any:
         """``load_from`` under ZeRO: gather the partitioned parameters (stage 3), load, re-partition,
         and refresh the optimizer's fp32 master copy so the first step starts from the loaded weights."""
@@ -259,7 +261,7 @@ class DeepSpeedStrategy(Strategy):
 
         from memfit.checkpoint import load_weights
 
-        module = self.unwrap(model)
+        module = model
         gather = (deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0)
                   if self.engine.zero_optimization_partition_weights() else contextlib.nullcontext())
         with gather:
@@ -268,68 +270,38 @@ class DeepSpeedStrategy(Strategy):
             self.engine.optimizer.refresh_fp32_params()
         return result
 
-    # -- state -------------------------------------------------------------------------------
     def model_state_dict(self, model: nn.Module) -> Any:
         """A placeholder: the engine writes the (sharded) weights itself in ``save_checkpoint``."""
-        return EngineState("model")
+        return StateRef(None, "model")
 
     def optim_state_dict(self, model: nn.Module, wrapper: Any) -> dict:
-        return {**wrapper.state_dict(), "optimizer": EngineState("optimizer")}
+        return {**wrapper.state_dict(with_optimizer=False), "optimizer": StateRef(None, "optimizer")}
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's weights on every rank (gathered under ZeRO-3; a collective)."""
         import deepspeed
 
-        module = self.unwrap(model)
+        module = model
         if not self.engine.zero_optimization_partition_weights():
             return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
         with deepspeed.zero.GatheredParameters(list(module.parameters())):
             return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
 
     def save_checkpoint(self, path: str | Path, state: dict) -> None:
-        """Write the engine's shards and memfit's extras to a temporary directory, then rename it to
-        ``path`` (a crash leaves the previous checkpoint untouched). Every rank must call this."""
-        from memfit.checkpoint import check_plain
-        from memfit.checkpoint import save_checkpoint as save_state_file
-
-        path = Path(path)
-        extras = {k: v for k, v in state.items() if k not in ("state_dict", "grads")}
-        if "optim_wrapper" in extras:
-            extras["optim_wrapper"] = {k: v for k, v in extras["optim_wrapper"].items() if k != "optimizer"}
-        if "grads" in state:
-            logger.warning(f"{path.name}: saved inside an accumulation window; DeepSpeed keeps the partial gradients "
-                           "in its own buffers, so a resume from it restarts the window. Save at multiples of "
-                           "optim_wrapper.accumulative_counts for an exact resume")
-        check_plain(extras)
-        tmp = path.parent / dist.broadcast_object(f".{path.name}.tmp-{os.getpid()}")
-        if dist.is_main_process():
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        dist.barrier()
-        self.engine.save_checkpoint(str(tmp), tag=ENGINE_TAG, client_state={}, save_latest=False,
-                                    exclude_frozen_parameters=self.exclude_frozen_parameters)
-        dist.barrier()
-        if dist.is_main_process():
-            save_state_file(extras, tmp / EXTRAS_FILE)
-            if path.exists():  # the same name saved again (e.g. a best checkpoint): swap it out
-                old = path.parent / f".{path.name}.old-{os.getpid()}"
-                os.replace(path, old)
-                os.replace(tmp, path)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, path)
-            fsync_dir(path.parent)
-        dist.barrier()
+        """The engine's shards and memfit's extras as one directory checkpoint, renamed into place
+        (:mod:`memfit.checkpoint.directory`). Every rank must call this."""
+        _, extras = split_state(state)
+        save_directory(path, extras, lambda tmp: self.engine.save_checkpoint(
+            str(tmp), tag=ENGINE_TAG, client_state={}, save_latest=False,
+            exclude_frozen_parameters=self.exclude_frozen_parameters))
 
     def load_checkpoint(self, path: str | Path) -> dict:
         """Plain extras now; the engine loads its shards when ``restore_state`` reaches the model."""
-        from memfit.checkpoint import load_checkpoint as load_state_file
-
         path = Path(path)
         if not is_deepspeed_checkpoint(path):
             raise CheckpointError(f"{path}: not a DeepSpeed checkpoint directory; a DeepSpeed run resumes from its "
                                   "own checkpoints. To start from these weights use load_from (weights only)")
-        state = load_state_file(path / EXTRAS_FILE)
+        state = read_extras(path)
         saved = state.get("meta", {}).get("world_size")
         if saved is not None and saved != dist.get_world_size():
             raise CheckpointError(
@@ -339,13 +311,13 @@ class DeepSpeedStrategy(Strategy):
                 f"universal checkpoint (python -m deepspeed.checkpoint.ds_to_universal "
                 f"--input_folder {path / ENGINE_TAG} ...)"
             )
-        state["state_dict"] = EngineState("model", path)
+        state["state_dict"] = StateRef(path, "model")
         if "optim_wrapper" in state:
-            state["optim_wrapper"]["optimizer"] = EngineState("optimizer", path)
+            state["optim_wrapper"]["optimizer"] = StateRef(path, "optimizer")
         return state
 
     def load_model_state_dict(self, model: nn.Module, state: Any, strict: bool = True) -> Any:
-        if not isinstance(state, EngineState):  # a full state dict
+        if not isinstance(state, StateRef):  # a full state dict
             return self.load_weights(model, state, strict=strict)
         with weights_only_loads():
             load_path, _ = self.engine.load_checkpoint(str(state.path), tag=ENGINE_TAG, load_module_strict=strict,
@@ -357,16 +329,6 @@ class DeepSpeedStrategy(Strategy):
     def load_optim_state_dict(self, model: nn.Module, wrapper: Any, state: dict) -> None:
         """The optimizer came back with the engine's shards; only the wrapper's counting is left."""
         wrapper.load_state_dict({k: v for k, v in state.items() if k != "optimizer"})
-
-
-class EngineState:
-    """Stands for state that the DeepSpeed engine writes and reads itself (``path`` when loading)."""
-
-    def __init__(self, what: str, path: Path | None = None) -> None:
-        self.what, self.path = what, path
-
-    def __repr__(self) -> str:
-        return f"EngineState({self.what!r}, {str(self.path) if self.path else None!r})"
 
 
 def cast_inputs(data: Any, which: list | None = None, dtype: torch.dtype | None = None) -> Any:
@@ -427,66 +389,6 @@ def _bn_forward_fp32(self: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> 
         None if self.weight is None else self.weight.float(), None if self.bias is None else self.bias.float(),
         use_batch, momentum, self.eps)
     return out.to(x.dtype)
-
-
-def is_deepspeed_checkpoint(path: str | Path) -> bool:
-    path = Path(path)
-    return path.is_dir() and (path / EXTRAS_FILE).is_file() and (path / ENGINE_TAG).is_dir()
-
-
-def _deepspeed_safe_globals() -> list[Any]:
-    """The plain-data classes DeepSpeed pickles into its checkpoint files (enums, loss scalers, sets)."""
-    import collections
-
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler, set, collections.OrderedDict, torch.Size]
-
-
-@contextlib.contextmanager
-def weights_only_loads():
-    """Make DeepSpeed's own ``torch.load(weights_only=False)`` calls (engine.load_checkpoint, zero_to_fp32)
-    load with ``weights_only=True`` plus an allowlist of DeepSpeed's data classes, so a DeepSpeed checkpoint
-    directory cannot run code either. Patching is the only hook: DeepSpeed hard-codes the flag."""
-    original = torch.load
-    allowed = _deepspeed_safe_globals()
-
-    def safe_load(*args: Any, **kwargs: Any) -> Any:
-        kwargs["weights_only"] = True
-        try:
-            with torch.serialization.safe_globals(allowed):
-                return original(*args, **kwargs)
-        except Exception as exc:
-            from memfit.checkpoint.io import explain_load_error
-
-            target = Path(str(args[0] if args else kwargs.get("f", "?")))
-            cause = explain_load_error(exc, target) if target.is_file() else str(exc).splitlines()[0]
-            raise CheckpointError(f"cannot load DeepSpeed checkpoint file {target}: {cause}") from None
-
-    torch.load = safe_load
-    try:
-        yield
-    finally:
-        torch.load = original
-
-
-def read_deepspeed_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """The consolidated fp32 weights of a memfit DeepSpeed checkpoint, in one process without a
-    process group (DeepSpeed's zero_to_fp32; ZeRO stage 0 checkpoints hold the full module already)."""
-    path = Path(path)
-    engine_dir = path / ENGINE_TAG
-    if any(engine_dir.glob("*optim_states.pt")):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        with weights_only_loads():
-            return dict(get_fp32_state_dict_from_zero_checkpoint(str(path), tag=ENGINE_TAG))
-    files = sorted(engine_dir.glob("mp_rank_*_model_states.pt"))
-    if not files:
-        raise CheckpointError(f"{path}: no DeepSpeed model states under {ENGINE_TAG}/")
-    with weights_only_loads():
-        module = torch.load(files[0], map_location="cpu")["module"]
-    return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
 
 
 def _owned(config: dict, key: str, value: Any, source: str) -> None:

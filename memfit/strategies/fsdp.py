@@ -23,9 +23,7 @@ process group (:func:`read_sharded_checkpoint`).
 from __future__ import annotations
 
 import contextlib
-import os
-import secrets
-import shutil
+import functools
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -33,12 +31,12 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 from torch import nn
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from memfit import dist
-from memfit.checkpoint.dcp import WeightsOnlyBytes
-from memfit.checkpoint.io import fsync_dir
-from memfit.errors import CheckpointError, ConfigError, did_you_mean
+from memfit.checkpoint.dcp import fqn_optim_state, load_dcp_into, write_dcp
+from memfit.checkpoint.directory import PendingSave, StateRef, read_extras, save_directory, split_state
+from memfit.errors import ConfigError, did_you_mean
+from memfit.precision import HalfPrecision, Precision, parse_dtype
 from memfit.registry import STRATEGIES
 from memfit.strategies.base import Strategy
 
@@ -49,21 +47,6 @@ _WRAPPER_KEYS = ("type", "auto_wrap_policy", "cpu_offload", "mixed_precision", "
                  "forward_prefetch", "backward_prefetch", "param_init_fn", "reshard_after_forward")
 _IGNORED_WRAPPER_KEYS = ("type", "use_orig_params", "device_id", "limit_all_gathers", "forward_prefetch",
                          "backward_prefetch", "param_init_fn")
-EXTRA_STATE_FILE = "extra_state.pth"  # the plain (non-tensor-sharded) part of a sharded checkpoint
-
-
-class ShardedEntry:
-    """Stands for a tensor entry (model or optimizer) of a sharded checkpoint not yet read.
-
-    :meth:`FSDPStrategy.load_checkpoint` returns these in place of the model and optimizer state so
-    that each rank later reads only its own shards straight into the sharded model and optimizer.
-    """
-
-    def __init__(self, path: Path, key: str) -> None:
-        self.path, self.key = path, key
-
-    def __repr__(self) -> str:
-        return f"ShardedEntry({str(self.path)!r}, {self.key!r})"
 
 
 @STRATEGIES.register()
@@ -138,8 +121,21 @@ class FSDPStrategy(Strategy):
         super().setup_env(dist.launcher_from_env(launcher), env_cfg)
         dist.ensure_process_group((env_cfg or {}).get("dist_cfg") or {})
 
+    # -- precision ---------------------------------------------------------------------------
+    def precision_request(self) -> Precision | None:
+        """``mixed_precision=dict(param_dtype=...)``: whole-model half compute with fp32 sharded
+        parameters (FSDP2's MixedPrecisionPolicy), a :class:`HalfPrecision`."""
+        mp = self.mixed_precision
+        if not mp or mp.get("param_dtype") in (None, torch.float32):
+            return None
+        return HalfPrecision(mp["param_dtype"], mp.get("reduce_dtype"), mp.get("output_dtype"),
+                             mp.get("cast_forward_inputs", True))
+
+    def check_precision(self, precision: Precision) -> None:
+        """FSDP casts parameters itself (HalfPrecision) or runs under autocast: both work."""
+
     # -- wrapping ----------------------------------------------------------------------------
-    def wrap_model(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -151,7 +147,10 @@ class FSDPStrategy(Strategy):
             _broadcast_module_states(model)
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.cpu_offload else OffloadPolicy()
-        mp = MixedPrecisionPolicy(**self.mixed_precision) if self.mixed_precision else MixedPrecisionPolicy()
+        if isinstance(self.precision, HalfPrecision):
+            mp = MixedPrecisionPolicy(**self.precision.fsdp_policy_kwargs())
+        else:  # fp32 compute or autocast; a reduce_dtype alone still applies
+            mp = MixedPrecisionPolicy(**{k: v for k, v in (self.mixed_precision or {}).items() if k != "param_dtype"})
         kwargs = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=mp,
                       offload_policy=offload)
         units = select_units(model, self.wrap_modules, self.auto_wrap_policy)
@@ -162,11 +161,8 @@ class FSDPStrategy(Strategy):
         self.units = [*sorted(units), ""]
         return model
 
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return model  # fully_shard keeps the module (and its class's train_step) in place
-
     # -- the step ----------------------------------------------------------------------------
-    def grad_sync_context(self, model: nn.Module, sync: bool) -> Any:
+    def no_sync(self, model: nn.Module, sync: bool) -> Any:
         """Reduce-scatter gradients only when ``sync``; the flag stays set for the backward that
         follows the forward (it runs after this context closes), and every micro-step sets it anew."""
         if hasattr(model, "set_requires_gradient_sync"):
@@ -214,9 +210,9 @@ class FSDPStrategy(Strategy):
             set_model_state_dict,
         )
 
-        if isinstance(state, ShardedEntry):
+        if isinstance(state, StateRef):
             target = get_model_state_dict(model)
-            _dcp_load(state, target)
+            load_dcp_into(state.path, state.key, target)
             state = target
             options = StateDictOptions(strict=strict)
         else:  # a full state dict from a file checkpoint (every rank holds it)
@@ -231,9 +227,9 @@ class FSDPStrategy(Strategy):
         )
 
         osd = state["optimizer"]
-        if isinstance(osd, ShardedEntry):
+        if isinstance(osd, StateRef):
             target = get_optimizer_state_dict(model, wrapper.optimizer)  # initialises the state to load into
-            _dcp_load(osd, target)
+            load_dcp_into(osd.path, osd.key, target)
             set_optimizer_state_dict(model, wrapper.optimizer, target)
         else:
             osd = fqn_optim_state(model, wrapper.optimizer, osd)
@@ -247,14 +243,15 @@ class FSDPStrategy(Strategy):
         if self.state_dict_type == "full":
             super().save_checkpoint(path, state)
             return True
-        if not self.async_save:
-            save_sharded_checkpoint(path, state)
-            return True
-        if self._async_group is None:
+        tensors, extras = split_state(state)
+        extras["sharded"] = {"format": "torch.distributed.checkpoint", "entries": sorted(tensors)}
+        if self.async_save and self._async_group is None:
             # Background collectives must not share a group with the training step's collectives.
             self._async_group = tdist.new_group(backend="gloo")
-        self._pending = save_sharded_checkpoint(path, state, async_group=self._async_group)
-        return False
+        group = self._async_group if self.async_save else None
+        self._pending = save_directory(path, extras, functools.partial(write_dcp, tensors, async_group=group),
+                                       background=self.async_save)
+        return self._pending is None
 
     def finalize_checkpoints(self, abort: bool = False) -> None:
         """Wait for a pending async save, publish its directory and point ``last_checkpoint`` at it.
@@ -273,16 +270,16 @@ class FSDPStrategy(Strategy):
         dist.barrier()
 
     def load_checkpoint(self, path: str | Path) -> dict:
-        """A sharded directory: plain extras now, tensors as :class:`ShardedEntry` read in place later."""
+        """A sharded directory: plain extras now, tensors as :class:`StateRef` read in place later."""
         from memfit.checkpoint import is_dcp_checkpoint
 
         if not is_dcp_checkpoint(path):
             return super().load_checkpoint(path)
         path = Path(path)
-        extras = _read_extras(path)
-        extras["state_dict"] = ShardedEntry(path, "state_dict")
+        extras = read_extras(path)
+        extras["state_dict"] = StateRef(path, "state_dict")
         if "optim_wrapper" in extras:
-            extras["optim_wrapper"]["optimizer"] = ShardedEntry(path, "optimizer")
+            extras["optim_wrapper"]["optimizer"] = StateRef(path, "optimizer")
         return extras
 
 
@@ -387,8 +384,6 @@ def _offload_flag(value: Any) -> bool:
 
 def _mp_policy(value: Any) -> dict | None:
     """``dict(param_dtype=..., reduce_dtype=...)`` or an FSDP1 MixedPrecision as MixedPrecisionPolicy kwargs."""
-    from memfit.precision import parse_dtype
-
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -412,141 +407,4 @@ def _broadcast_module_states(model: nn.Module) -> None:
     with torch.no_grad():
         for _, t in sorted([*model.named_parameters(), *model.named_buffers()], key=lambda kv: kv[0]):
             tdist.broadcast(t.data, src=0)
-
-
-# -- sharded checkpoints -------------------------------------------------------------------------
-class PendingSave:
-    """An async sharded save under way: :meth:`finish` waits for it and renames it into place."""
-
-    def __init__(self, future: Any, tmp: Path, path: Path, token: str) -> None:
-        self.future, self.tmp, self.path, self.token = future, tmp, path, token
-
-    def finish(self) -> None:
-        """A collective: wait for this rank's write, then (after every rank's) publish the directory."""
-        self.future.result()  # re-raises a failed write
-        dist.barrier()
-        if dist.is_main_process():
-            _publish(self.tmp, self.path, self.token)
-        dist.barrier()
-
-
-def save_sharded_checkpoint(path: str | Path, state: dict, async_group: Any = None) -> PendingSave | None:
-    """Write ``state`` as a DCP directory at ``path``, atomically; a collective (every rank calls it).
-
-    The model (``state_dict``) and optimizer (``optim_wrapper.optimizer``) entries are written by
-    ``torch.distributed.checkpoint`` (each rank its own shards); everything else (loop position,
-    sampler, RNG states of every rank, scaler, meta) goes to ``extra_state.pth`` inside the
-    directory, written by rank 0. All of it lands in a temporary directory that rank 0 renames to
-    ``path`` only after every rank has finished, so a crash leaves the previous checkpoint intact.
-
-    With ``async_group`` (a process group with a CPU backend) the shards are staged to CPU memory and
-    written in the background with ``dcp.async_save``; the returned :class:`PendingSave` finishes it.
-    """
-    import torch.distributed.checkpoint as dcp
-
-    from memfit.checkpoint import save_checkpoint as save_state_file
-
-    path = Path(path)
-    tensors: dict[str, Any] = {"state_dict": state["state_dict"]}
-    extras = {k: v for k, v in state.items() if k != "state_dict"}
-    if isinstance(state.get("optim_wrapper"), dict) and "optimizer" in state["optim_wrapper"]:
-        tensors["optimizer"] = state["optim_wrapper"]["optimizer"]
-        extras["optim_wrapper"] = {k: v for k, v in state["optim_wrapper"].items() if k != "optimizer"}
-    extras["sharded"] = {"format": "torch.distributed.checkpoint", "entries": sorted(tensors)}
-    token = dist.broadcast_object(secrets.token_hex(4))
-    tmp = path.parent / f".{path.name}.tmp-{token}"
-    if dist.is_main_process():
-        path.parent.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    if async_group is not None:
-        if dist.is_main_process():  # the extras now: they are the state of this step, not a later one
-            tmp.mkdir()
-            save_state_file(extras, tmp / EXTRA_STATE_FILE)
-        dist.barrier()
-        response = dcp.async_save(tensors, checkpoint_id=tmp, process_group=async_group)
-        return PendingSave(getattr(response, "upload_completion", response), tmp, path, token)
-    dcp.save(tensors, checkpoint_id=tmp)
-    if dist.is_main_process():
-        save_state_file(extras, tmp / EXTRA_STATE_FILE)
-        _publish(tmp, path, token)
-    dist.barrier()
-    return None
-
-
-def _publish(tmp: Path, path: Path, token: str) -> None:
-    """Rank 0: rename the complete temporary directory ``tmp`` to ``path`` (replacing what is there)."""
-    old = path.parent / f".{path.name}.old-{token}"
-    if path.exists():
-        os.replace(path, old)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-    if old.exists():
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
-
-
-def read_sharded_checkpoint(path: str | Path) -> dict:
-    """A whole sharded checkpoint gathered into full tensors in this process (no process group needed).
-
-    The result has the layout of a file checkpoint, except that ``optim_wrapper.optimizer`` is keyed
-    by parameter name (``get_optimizer_state_dict``'s form); load it with :func:`fqn_optim_state`
-    and ``set_optimizer_state_dict``. Used to resume at another world size with a non-FSDP strategy.
-    """
-    from memfit.checkpoint import read_dcp
-
-    path = Path(path)
-    state = _read_extras(path)
-    tensors = read_dcp(path)
-    state["state_dict"] = tensors["state_dict"]
-    if "optimizer" in tensors:
-        state.setdefault("optim_wrapper", {})["optimizer"] = tensors["optimizer"]
-    return state
-
-
-def fqn_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict) -> dict:
-    """An optimizer state dict keyed by parameter name; ``torch.optim``'s id-keyed form is converted
-    using ``optimizer``'s parameter order (the one it was saved with when the config is the same)."""
-    groups = osd.get("param_groups") or []
-    if all(isinstance(p, str) for g in groups for p in g["params"]):
-        return osd
-    names = {id(p): n for n, p in model.named_parameters()}
-    mapping: dict[Any, str] = {}
-    for saved, live in zip(groups, optimizer.param_groups):
-        if len(saved["params"]) != len(live["params"]):
-            raise CheckpointError("optimizer state does not fit: parameter groups differ in size")
-        mapping.update({i: names[id(p)] for i, p in zip(saved["params"], live["params"])})
-    return {
-        "state": {mapping[i]: s for i, s in osd.get("state", {}).items()},
-        "param_groups": [{**g, "params": [mapping[i] for i in g["params"]]} for g in groups],
-    }
-
-
-def _read_extras(path: Path) -> dict:
-    from memfit.checkpoint import load_checkpoint as load_state_file
-
-    extra = path / EXTRA_STATE_FILE
-    if not extra.is_file():
-        raise CheckpointError(f"{path}: a sharded checkpoint without {EXTRA_STATE_FILE}: not written by memfit")
-    return load_state_file(extra)
-
-
-def _dcp_load(entry: ShardedEntry, target: dict) -> None:
-    """Read ``entry`` of a sharded checkpoint into ``target`` (its tensors are filled in place)."""
-    import torch.distributed.checkpoint as dcp
-
-    from memfit.checkpoint.dcp import SafeFileSystemReader
-
-    box = {entry.key: target}
-    try:
-        dcp.load(box, storage_reader=SafeFileSystemReader(entry.path), planner=_SafeLoadPlanner())
-    except BaseException as exc:  # DCP wraps rank failures in CheckpointException (a BaseException)
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{entry.path}: cannot load {entry.key!r} from the sharded checkpoint: {first}") from exc
-    if box[entry.key] is not target:  # non-tensor leaves are replaced in the box, not in place
-        target.update(box[entry.key])
-
-
-class _SafeLoadPlanner(WeightsOnlyBytes, DefaultLoadPlanner):
-    """DefaultLoadPlanner whose non-tensor entries load with ``weights_only=True`` (torch's uses False)."""
 

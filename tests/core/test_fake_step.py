@@ -9,7 +9,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from memfit.memory.measure import MemoryTracker
 from memfit.model import BaseModel
 from memfit.optim import AmpOptimWrapper, OptimWrapper
-from memfit.strategies import SingleDeviceStrategy
 
 
 class MLP(BaseModel):
@@ -33,7 +32,6 @@ def _peak(fake: bool, wrapper_cls) -> int:
             model = model.to_empty(device="cpu")
         kw = {"dtype": "bfloat16"} if wrapper_cls is AmpOptimWrapper else {}
         wrapper = wrapper_cls(torch.optim.AdamW(model.parameters(), lr=1e-3), accumulative_counts=2, **kw)
-        wrapper.bind(SingleDeviceStrategy(), torch.device("cpu"))
         wrapper.initialize_count_status(model, 0, 4)
         batch = (torch.randn(32, 64), torch.randint(0, 10, (32,)))
         with MemoryTracker(model, wrapper.optimizer) as t:

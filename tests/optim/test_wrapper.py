@@ -22,7 +22,6 @@ class Linear(nn.Module):
 def _train(wrapper_cls, batches, k, max_counts, **kw):
     model = Linear()
     w = wrapper_cls(torch.optim.SGD(model.parameters(), lr=0.1), accumulative_counts=k, **kw)
-    w.bind(SingleDeviceStrategy(), torch.device("cpu"))
     w.initialize_count_status(model, 0, max_counts)
     for x, y in batches:
         with w.optim_context(model):
@@ -58,13 +57,13 @@ def test_no_sync_on_non_final_micro_steps():
     calls = []
 
     class Recording(SingleDeviceStrategy):
-        def grad_sync_context(self, model, sync):
+        def no_sync(self, model, sync):
             calls.append(sync)
-            return super().grad_sync_context(model, sync)
+            return super().no_sync(model, sync)
 
     model = Linear()
     w = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), accumulative_counts=3)
-    w.bind(Recording(), torch.device("cpu"))
+    w.strategy = Recording()
     w.initialize_count_status(model, 0, 7)
     for _ in range(7):
         with w.optim_context(model):
@@ -93,7 +92,6 @@ def test_bf16_amp_on_cpu_trains_and_has_no_scaler():
     torch.manual_seed(0)
     model = Linear()
     w = AmpOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1))
-    w.bind(SingleDeviceStrategy(), torch.device("cpu"))
     assert w.precision.dtype is torch.bfloat16 and w.scaler is None
     x, y = torch.randn(64, 8), torch.randn(64, 3)
     w.initialize_count_status(model, 0, 50)
@@ -111,7 +109,6 @@ def test_bf16_amp_on_cpu_trains_and_has_no_scaler():
 def test_fp16_scaler_counts_skipped_steps_and_round_trips():
     model = Linear()
     w = AmpOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), dtype="float16", loss_scale="dynamic")
-    w.bind(SingleDeviceStrategy(), torch.device("cpu"))
     assert w.scaler is not None
     before = [p.detach().clone() for p in model.parameters()]
     w.initialize_count_status(model, 0, 10)
@@ -122,7 +119,6 @@ def test_fp16_scaler_counts_skipped_steps_and_round_trips():
         assert torch.equal(a, b)
     state = w.state_dict()
     w2 = AmpOptimWrapper(torch.optim.SGD(Linear().parameters(), lr=0.1), dtype="float16")
-    w2.bind(SingleDeviceStrategy(), torch.device("cpu"))
     w2.load_state_dict(state)
     assert w2.scaler.get_scale() == w.scaler.get_scale() and int(w2.skipped_steps) == 1
 

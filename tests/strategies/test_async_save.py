@@ -45,7 +45,7 @@ def test_async_run_matches_sync_and_publishes_complete_checkpoints(runs):
     assert read_latest(work) == work / "iter_9.pth"  # finalized at the end of training
     for n in (4, 8, 9):
         assert is_dcp_checkpoint(work / f"iter_{n}.pth")
-        assert (work / f"iter_{n}.pth" / "extra_state.pth").is_file()
+        assert (work / f"iter_{n}.pth" / "memfit_state.pth").is_file()
     assert not [p for p in work.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
 
@@ -63,4 +63,4 @@ def test_crash_during_async_write_keeps_previous_and_resumes(runs):
         assert abs(loss - loss2) <= TOL, (it, loss, loss2)
     work = root / "crash"
     assert read_latest(work) == work / "iter_9.pth"
-    assert is_dcp_checkpoint(work / "iter_9.pth") and (work / "iter_9.pth" / "extra_state.pth").is_file()
+    assert is_dcp_checkpoint(work / "iter_9.pth") and (work / "iter_9.pth" / "memfit_state.pth").is_file()

@@ -56,7 +56,7 @@ def test_layout_and_pointer(runs):
     assert a["world_size"] == 2
     for n in (4, 8, 9):
         assert is_dcp_checkpoint(root / "w2_fsdp" / f"iter_{n}.pth")
-        assert (root / "w2_fsdp" / f"iter_{n}.pth" / "extra_state.pth").is_file()
+        assert (root / "w2_fsdp" / f"iter_{n}.pth" / "memfit_state.pth").is_file()
     assert read_latest(root / "w2_fsdp") == root / "w2_fsdp" / "iter_9.pth"
     assert not [p for p in (root / "w2_fsdp").iterdir() if ".tmp-" in p.name or ".old-" in p.name]
     assert (root / "w2_zero" / "iter_4.pth").is_file()  # ZeRO-1: consolidated into one file

@@ -8,9 +8,10 @@ import torch
 from torch import nn
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
+from memfit.checkpoint.dcp import fqn_optim_state
 from memfit.errors import ConfigError
 from memfit.strategies import SHORT_NAMES, DDPStrategy, FSDPStrategy, build_strategy, strategy_from_model_wrapper
-from memfit.strategies.fsdp import fqn_optim_state, select_units
+from memfit.strategies.fsdp import select_units
 
 
 class Block(nn.Module):
@@ -96,9 +97,22 @@ def test_id_keyed_optimizer_state_becomes_name_keyed():
     assert torch.equal(osd["state"]["1.bias"]["exp_avg"], opt.state[net[1].bias]["exp_avg"])
 
 
-def test_zero_wrapper_needs_ddp():
-    from memfit.strategies import SingleDeviceStrategy, ZeroOptimWrapper
+def test_backend_wrapper_names_map_onto_their_strategy():
+    from memfit.connector import resolve_optim_wrapper
+    from memfit.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
 
-    wrapper = ZeroOptimWrapper(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
-    with pytest.raises(ConfigError, match="needs strategy='ddp'"):
-        wrapper.bind(SingleDeviceStrategy(), torch.device("cpu"))
+    sgd = dict(type="SGD", lr=0.1)
+    for strategy in (SingleDeviceStrategy(), FSDPStrategy()):
+        with pytest.raises(ConfigError, match="needs strategy='ddp'"):
+            resolve_optim_wrapper(dict(type="ZeroOptimWrapper", optimizer=sgd), strategy)
+    with pytest.raises(ConfigError, match="needs strategy=dict\\(type='DeepSpeedStrategy'"):
+        resolve_optim_wrapper(dict(type="DeepSpeedOptimWrapper", optimizer=sgd), DDPStrategy())
+    ddp = DDPStrategy()
+    assert resolve_optim_wrapper(dict(type="ZeroOptimWrapper", optimizer=sgd), ddp) == dict(type="OptimWrapper",
+                                                                                          optimizer=sgd)
+    assert ddp.zero
+    # MMEngine's form: ZeroRedundancyOptimizer is an optimizer type around optimizer_type.
+    ddp = DDPStrategy()
+    cfg = resolve_optim_wrapper(dict(optimizer=dict(type="ZeroRedundancyOptimizer", optimizer_type="AdamW", lr=1)),
+                                ddp)
+    assert cfg == dict(type="OptimWrapper", optimizer=dict(type="AdamW", lr=1)) and ddp.zero

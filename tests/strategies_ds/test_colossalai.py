@@ -35,7 +35,7 @@ def ddp(tmp_path_factory) -> dict:
 def test_ddp_plugin_matches_single_process(ddp, precision):
     r = ddp[precision]
     assert r["plugin"] == "TorchDDPPlugin"
-    assert r["wrapper"] == ("ColossalAIAmpOptimWrapper" if precision == "bf16" else "ColossalAIOptimWrapper")
+    assert r["precision"] == ("bf16-mixed" if precision == "bf16" else "fp32")
     # k=2 over 2 ranks x 4 samples against the same 16-sample batches in one process (bf16: autocast
     # in both): bit-identical losses here; DDP's all-reduce order moves weights by ~3e-8.
     assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) <= 1e-6
@@ -70,14 +70,19 @@ def test_bad_configs_name_the_key(kwargs, match):
         ColossalAIStrategy(**kwargs)
 
 
-def test_plugin_names_and_amp_wrapper_mapping():
+def test_plugin_names_and_precision_mapping():
+    from memfit.connector import select_precision
+    from memfit.precision import AutocastPrecision, HalfPrecision
+
     assert ColossalAIStrategy(plugin=dict(type="LowLevelZeroPlugin", stage=2)).plugin_kwargs == {"stage": 2}
-    s = ColossalAIStrategy(plugin="ddp", mixed_precision="bf16")
-    cfg = s._wrapper_cfg(dict(optimizer=dict(type="AdamW", lr=1e-3)))
-    assert cfg["type"].__name__ == "ColossalAIAmpOptimWrapper" and cfg["dtype"] == "bfloat16"
+    adamw = dict(optimizer=dict(type="AdamW", lr=1e-3))
+    # The DDP plugin runs mixed_precision as torch autocast; the sharded plugins as their own precision.
+    p = select_precision(adamw, ColossalAIStrategy(plugin="ddp", mixed_precision="bf16"))
+    assert isinstance(p, AutocastPrecision) and p.dtype is torch.bfloat16
+    p = select_precision(adamw, ColossalAIStrategy(plugin="gemini", mixed_precision="bf16"))
+    assert isinstance(p, HalfPrecision) and p.dtype is torch.bfloat16
     with pytest.raises(ConfigError, match="the plugin owns precision"):
-        ColossalAIStrategy(plugin="gemini").\
-            _wrapper_cfg(dict(type="AmpOptimWrapper", optimizer=dict(type="AdamW", lr=1e-3)))
+        select_precision(dict(adamw, type="AmpOptimWrapper"), ColossalAIStrategy(plugin="gemini"))
 
 
 @GPU_ONLY

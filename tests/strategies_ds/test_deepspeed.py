@@ -140,11 +140,19 @@ def _strategy(**kwargs):
     return s
 
 
+def _config(s, wrapper: dict) -> dict:
+    """The DeepSpeed config ``s`` builds for this optim_wrapper (precision chosen by the connector)."""
+    from memfit.connector import resolve_optim_wrapper, select_precision
+
+    wrapper = resolve_optim_wrapper({"optimizer": dict(type="AdamW", lr=1e-3), **wrapper}, s)
+    select_precision(wrapper, s)
+    return s.build_config(wrapper.get("accumulative_counts", 1), wrapper.get("clip_grad"))
+
+
 def test_config_fills_batch_accumulation_clipping_and_autocast():
     s = _strategy(zero_optimization=dict(stage=3, cpu_offload=False, offload_optimizer=dict(device="cpu")))
-    wrapper, amp = s._wrapper_settings(dict(type="AmpOptimWrapper", dtype="bfloat16", accumulative_counts=4,
-                                            clip_grad=dict(max_norm=1.0), optimizer=dict(type="AdamW", lr=1e-3)))
-    cfg = s.build_config(wrapper["accumulative_counts"], wrapper["clip_grad"], amp)
+    cfg = _config(s, dict(type="AmpOptimWrapper", dtype="bfloat16", accumulative_counts=4,
+                          clip_grad=dict(max_norm=1.0)))
     assert cfg["train_micro_batch_size_per_gpu"] == 4 and cfg["gradient_accumulation_steps"] == 4
     assert cfg["gradient_clipping"] == 1.0
     assert cfg["torch_autocast"] == {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
@@ -160,19 +168,20 @@ def test_config_fills_batch_accumulation_clipping_and_autocast():
     (dict(bf16=dict(enabled=True)), dict(type="AmpOptimWrapper"), "two precisions"),
     (dict(torch_autocast=dict(enabled=True, dtype="float16")), dict(type="AmpOptimWrapper", dtype="bfloat16"),
      "disagree"),
-    ({}, dict(type="LarsWrapper"), "use one of DeepSpeedOptimWrapper"),
+    (dict(amp=dict(enabled=True)), dict(type="AmpOptimWrapper", dtype="bfloat16"), "disagree"),
+    ({}, dict(type="AmpOptimWrapper", loss_scale=512.0), "dynamic GradScaler"),
 ])
 def test_config_errors_name_the_key(kwargs, wrapper, match):
     s = _strategy(**kwargs)
     with pytest.raises(ConfigError, match=match):
-        w, amp = s._wrapper_settings({**dict(optimizer=dict(type="AdamW", lr=1e-3)), **wrapper})
-        s.build_config(w.get("accumulative_counts", 1), w.get("clip_grad"), amp)
+        _config(s, wrapper)
 
 
 def test_whole_model_half_warns_with_the_risk(caplog):
     s = _strategy(bf16=dict(enabled=True), inputs_to_half=[0])
     with caplog.at_level("WARNING", logger="memfit"):
-        s.build_config()
+        cfg = _config(s, {})
+    assert cfg["bf16"]["enabled"] and "torch_autocast" not in cfg
     assert s.half_dtype is torch.bfloat16
     assert "casts the whole model" in caplog.text and "AmpOptimWrapper" in caplog.text
 
@@ -208,12 +217,13 @@ def test_batchnorm_fp32_in_half_mode_matches_fp32_batchnorm():
 
 
 def test_deepspeed_optim_wrapper_needs_the_strategy():
-    from memfit.optim.builder import build_optim_wrapper
+    from memfit.connector import resolve_optim_wrapper
     from memfit.strategies import SingleDeviceStrategy
 
-    wrapper = build_optim_wrapper(nn.Linear(2, 2), dict(type="DeepSpeedOptimWrapper", optimizer=dict(type="SGD", lr=1)))
+    cfg = dict(type="DeepSpeedOptimWrapper", optimizer=dict(type="SGD", lr=1))
     with pytest.raises(ConfigError, match="needs strategy=dict\\(type='DeepSpeedStrategy'"):
-        wrapper.bind(SingleDeviceStrategy(), torch.device("cpu"))
+        resolve_optim_wrapper(cfg, SingleDeviceStrategy())
+    assert resolve_optim_wrapper(cfg, _strategy())["type"] == "OptimWrapper"
 
 
 def test_short_names_point_at_deepspeed_config():
@@ -232,8 +242,8 @@ def test_deepspeed_internal_loads_are_weights_only(tmp_path):
 
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
+    from memfit.checkpoint.deepspeed import weights_only_loads
     from memfit.errors import CheckpointError
-    from memfit.strategies.deepspeed import weights_only_loads
 
     marker = tmp_path / "ran"
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit import dist
+from memfit.connector import setup
 from memfit.model import BaseModel
 from memfit.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
 from memfit.testing import write_result
@@ -54,18 +55,18 @@ def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def full_params(strategy, model) -> dict[str, list]:
     """Full parameters (gathered from shards) as lists, on every rank."""
     out = {}
-    for name, p in sorted(strategy.unwrap(model).named_parameters()):
+    for name, p in sorted(model.named_parameters()):
         t = p.full_tensor() if hasattr(p, "full_tensor") else p
         out[name] = t.detach().float().flatten().tolist()
     return out
 
 
-def run(strategy, optim, *, accum: int = 1, frozen: bool = False, transforms=None, local: bool = True,
+def run(strategy, optim, *, accum: int = 1, frozen: bool = False, techniques=None, local: bool = True,
         record_sync: bool = False) -> dict:
     """Train STEPS steps; ``local``: this rank's share of the global batch, else the whole batch."""
     torch.manual_seed(0)
     model = Net(frozen_stem=frozen)
-    model, wrapper = strategy.prepare(model, dict(optim, accumulative_counts=accum), transforms)
+    model, wrapper = setup(model, strategy, dict(optim, accumulative_counts=accum), techniques)
     wrapper.initialize_count_status(model, 0, -1)
     rank, world = (dist.get_rank(), dist.get_world_size()) if local else (0, 1)
     losses, synced = [], []
@@ -91,7 +92,7 @@ def run(strategy, optim, *, accum: int = 1, frozen: bool = False, transforms=Non
 
 
 def _grad_state(strategy, model) -> str:
-    params = [p for p in strategy.unwrap(model).parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad]
     if isinstance(strategy, FSDPStrategy):
         # FSDP2 keeps unsynced gradients unsharded and unreduced; the sharded .grad appears at the sync.
         return "no-grad" if all(p.grad is None for p in params) else "reduced"
@@ -108,10 +109,7 @@ def main() -> None:
     clipped = dict(adamw, clip_grad=dict(max_norm=0.05))
     bf16 = dict(adamw, type="AmpOptimWrapper", dtype="bfloat16")
 
-    def ckpt(model):
-        from memfit.memory.checkpointing import apply_activation_checkpointing
-
-        apply_activation_checkpointing(model, dict(types=["Block"]))
+    ckpt = dict(activation_checkpointing=dict(types=["Block"]))
 
     results: dict = {}
     variants = {
@@ -125,7 +123,7 @@ def main() -> None:
         "fsdp_bf16": (lambda: FSDPStrategy(mixed_precision=dict(param_dtype="bfloat16", reduce_dtype="float32")),
                       adamw, {}),
         "fsdp_amp": (lambda: FSDPStrategy(), bf16, {}),
-        "fsdp_ckpt": (lambda: FSDPStrategy(), adamw, dict(transforms=ckpt)),
+        "fsdp_ckpt": (lambda: FSDPStrategy(), adamw, dict(techniques=ckpt)),
         "fsdp_frozen": (lambda: FSDPStrategy(), adamw, dict(frozen=True)),
         "fsdp_accum": (lambda: FSDPStrategy(), adamw, dict(accum=2, record_sync=True)),
         "fsdp_names": (lambda: FSDPStrategy(wrap_modules=["blocks.0", "head"]), adamw, {}),

@@ -93,10 +93,10 @@ def main() -> None:
         runner, record = train(name, mp, iters=4)
         batches = [list(step) for step in zip(*dist.all_gather_object(record.batches))]
         ref_losses, ref_state = reference(init, batches, amp=mp is not None)
-        state = runner.strategy.unwrap(runner.model).state_dict()
+        state = runner.model.state_dict()
         out[name] = dict(losses=record.losses, ref_losses=ref_losses,
                          param_diff=max(float((state[k] - ref_state[k]).abs().max()) for k in sorted(ref_state)),
-                         wrapper=type(runner.optim_wrapper).__name__, model=type(runner.model).__name__,
+                         precision=runner.strategy.precision.name, model=type(runner.model).__name__,
                          plugin=type(runner.strategy.booster.plugin).__name__)
     _, resumed = train("resumed", None, iters=4, resume=os.path.join(OUT, "fp32", "iter_2.pth"))
     out["resume"] = dict(losses=resumed.losses)

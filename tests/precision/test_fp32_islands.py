@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from memfit.errors import ConfigError
-from memfit.memory.fp32_islands import apply_fp32_islands
+from memfit.precision.fp32_islands import apply_fp32_islands
 
 
 class Loss(nn.Module):

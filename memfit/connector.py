@@ -1,0 +1,143 @@
+"""The connector: turns the config's strategy, optimizer wrapper and precision settings into one
+Strategy holding one Precision, and sets the model up in torchtitan's order.
+
+Lightning Fabric's split: a strategy and a precision are separate objects; this small module
+chooses them, maps MMEngine's names onto them (``AmpOptimWrapper`` asks for autocast,
+``DeepSpeedOptimWrapper``/``ZeroOptimWrapper``/``ColossalAIOptimWrapper`` name a backend,
+``model_wrapper_cfg`` a strategy) and rejects combinations that cannot work, in one line each.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from memfit import dist
+from memfit.errors import ConfigError
+from memfit.precision import AutocastPrecision, HalfPrecision, Precision, default_amp_dtype, parse_dtype
+from memfit.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+
+# MMEngine optimizer-wrapper names that stand for a backend: name -> the strategy class they need.
+BACKEND_WRAPPERS = {
+    "DeepSpeedOptimWrapper": "DeepSpeedStrategy",
+    "ColossalAIOptimWrapper": "ColossalAIStrategy",
+    "ZeroOptimWrapper": "DDPStrategy",  # ZeRO-1: DDPStrategy(zero=True)
+}
+_STRATEGY_HINTS = {"DeepSpeedStrategy": "strategy=dict(type='DeepSpeedStrategy', ...)",
+                   "ColossalAIStrategy": "strategy=dict(type='ColossalAIStrategy', ...)",
+                   "DDPStrategy": "strategy='ddp' (DDPStrategy)"}
+
+
+def _type_name(kind: Any) -> str:
+    return kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
+
+
+def resolve_optim_wrapper(cfg: Any, strategy: Strategy) -> Any:
+    """Map MMEngine's backend wrapper names onto a plain ``OptimWrapper`` config and the strategy they
+    need (``ZeroOptimWrapper`` or ``optimizer=dict(type='ZeroRedundancyOptimizer', optimizer_type=...)``
+    switch DDP's ZeRO-1 on). A live wrapper is returned as it is."""
+    if not isinstance(cfg, dict):
+        return cfg
+    cfg = dict(cfg)
+    kind = _type_name(cfg.get("type", "OptimWrapper"))
+    optimizer = cfg.get("optimizer")
+    if isinstance(optimizer, dict) and _type_name(optimizer.get("type")) == "ZeroRedundancyOptimizer":
+        # MMEngine's form: the ZeRO optimizer is an optimizer type wrapping ``optimizer_type``.
+        optimizer = dict(optimizer)
+        optimizer.pop("type")
+        if "optimizer_type" not in optimizer:
+            raise ConfigError("optim_wrapper.optimizer.optimizer_type is missing: "
+                              "dict(type='ZeroRedundancyOptimizer', optimizer_type='AdamW', lr=...)")
+        cfg["optimizer"] = {"type": optimizer.pop("optimizer_type"), **optimizer}
+        kind = "ZeroOptimWrapper" if kind == "OptimWrapper" else kind
+    needed = BACKEND_WRAPPERS.get(kind)
+    if needed is None:
+        return cfg
+    if type(strategy).__name__ != needed:
+        extra = "; FSDPStrategy already shards the optimizer" if needed == "DDPStrategy" else ""
+        raise ConfigError(f"optim_wrapper.type={kind!r} needs {_STRATEGY_HINTS[needed]}, not "
+                          f"{type(strategy).__name__}: use OptimWrapper or AmpOptimWrapper with it{extra}")
+    if isinstance(strategy, DDPStrategy):
+        strategy.zero = True
+    cfg["type"] = "OptimWrapper"
+    return cfg
+
+
+def _autocast_options(cfg: Any) -> dict | None:
+    """dtype/loss_scale/fp32_modules when the wrapper is an AmpOptimWrapper (config or object), else None."""
+    from memfit.optim.wrapper import AmpOptimWrapper
+
+    if isinstance(cfg, AmpOptimWrapper):
+        return dict(dtype=cfg.dtype, loss_scale=cfg.loss_scale, fp32_modules=cfg.fp32_modules)
+    if isinstance(cfg, dict) and _type_name(cfg.get("type")) == "AmpOptimWrapper":
+        return dict(dtype=parse_dtype(cfg.get("dtype"), "optim_wrapper.dtype"),
+                    loss_scale=cfg.get("loss_scale", "dynamic"), fp32_modules=cfg.get("fp32_modules"))
+    return None
+
+
+def select_precision(optim_wrapper: Any, strategy: Strategy) -> Precision:
+    """The run's one precision, from the optimizer wrapper (``AmpOptimWrapper``: autocast) and the
+    strategy's own options (DeepSpeed's fp16/bf16/torch_autocast, FSDP's mixed_precision, colossalai's
+    mixed_precision); given to the strategy, which refuses what its backend cannot run."""
+    device_type = strategy.device.type
+    amp = _autocast_options(optim_wrapper)
+    requested = strategy.precision_request()
+    if amp is None:
+        precision = requested or Precision(device_type)
+    else:
+        where = type(strategy).__name__
+        if isinstance(requested, HalfPrecision):
+            raise ConfigError(f"AmpOptimWrapper (torch autocast) and {where}'s whole-model {requested.name} "
+                              "(parameters cast to half) are two precisions: keep one")
+        dtype = amp["dtype"]
+        if isinstance(requested, AutocastPrecision):
+            if dtype is not None and dtype != requested.dtype:
+                raise ConfigError(f"{where} asks for autocast in {requested.name[:4]} and optim_wrapper.dtype for "
+                                  f"{str(dtype).removeprefix('torch.')}: they disagree, set one of them")
+            dtype = requested.dtype
+        precision = AutocastPrecision(dtype or default_amp_dtype(device_type), device_type, amp["loss_scale"],
+                                      amp["fp32_modules"])
+    strategy.set_precision(precision)
+    return precision
+
+
+def _check_in_backward(strategy: Strategy, optim_wrapper: Any, precision: Precision) -> None:
+    from memfit.optim.in_backward import check_in_backward_compatible
+
+    if type(strategy) is not SingleDeviceStrategy or dist.get_world_size() > 1:
+        raise ConfigError(f"cfg.optimizer_in_backward runs in one process on one device only "
+                          f"({type(strategy).__name__}, world size {dist.get_world_size()}): gradients would be "
+                          "stepped before they are reduced across ranks or by the backend's optimizer; remove it")
+    counts = optim_wrapper.get("accumulative_counts", 1) if isinstance(optim_wrapper, dict) else 1
+    clip = optim_wrapper.get("clip_grad") if isinstance(optim_wrapper, dict) else None
+    check_in_backward_compatible(counts, clip, grad_scaler=getattr(precision, "scaler", None))
+
+
+def setup(model: nn.Module, strategy: Strategy, optim_wrapper: Any = None, techniques: dict | None = None, *,
+          optimizer_in_backward: bool = False) -> tuple[nn.Module, Any]:
+    """Set ``model`` up for training (``optim_wrapper`` given) or evaluation; returns (model, wrapper).
+
+    The order is torchtitan's: choose the precision, move the model to the device, apply the memory
+    techniques (``techniques``: the runner's ``cfg`` switches), convert it for the precision (fp32
+    islands), let the strategy wrap or shard it, build the optimizer over the wrapped parameters,
+    and let the strategy finish with it (ZeRO-1, DeepSpeed's engine, colossalai's booster).
+    """
+    from memfit.memory import apply_memory_techniques
+    from memfit.optim.builder import build_optim_wrapper
+
+    optim_wrapper = resolve_optim_wrapper(optim_wrapper, strategy)
+    precision = select_precision(optim_wrapper, strategy)
+    if optimizer_in_backward and optim_wrapper is not None:
+        _check_in_backward(strategy, optim_wrapper, precision)
+    model = strategy.to_device(model)
+    if techniques:
+        apply_memory_techniques(model, techniques)
+    precision.convert_module(model)
+    model = strategy.wrap(model)
+    wrapper = None
+    if optim_wrapper is not None:
+        wrapper = build_optim_wrapper(model, optim_wrapper, in_backward=optimizer_in_backward)
+        wrapper.strategy = strategy
+    strategy.setup(model, wrapper)
+    return model, wrapper

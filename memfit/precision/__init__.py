@@ -1,0 +1,13 @@
+"""Precision policies: one object per run decides autocast, loss scaling and casts for every strategy.
+
+``Precision`` (fp32), ``AutocastPrecision`` (bf16, or fp16 with a GradScaler; fp32 islands) and
+``HalfPrecision`` (whole-model half with fp32 master weights: DeepSpeed fp16/bf16, FSDP
+mixed_precision). ``memfit.connector`` chooses one from the config and rejects bad combinations.
+"""
+
+from memfit.precision.autocast import AutocastPrecision
+from memfit.precision.base import APEX_OPT_LEVELS, Precision, default_amp_dtype, dtype_name, parse_dtype
+from memfit.precision.half import HalfPrecision
+
+__all__ = ["APEX_OPT_LEVELS", "AutocastPrecision", "HalfPrecision", "Precision", "default_amp_dtype", "dtype_name",
+           "parse_dtype"]

@@ -1,0 +1,175 @@
+"""The package's shape: no import cycles, layers import only downwards, every module imports on its
+own, files stay small. Imports are read from the source (AST), function-level ones included: a lazy
+import is still a dependency."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import memfit
+
+ROOT = Path(memfit.__file__).parent
+MAX_LINES = 450
+
+# Lower layers never import higher ones. Anything not listed is the top layer (runner, loops, ...).
+LAYERS = {
+    "memfit._version": 0, "memfit.errors": 0, "memfit.dist": 0, "memfit.registry": 0,
+    "memfit.checkpoint": 1, "memfit.precision": 1, "memfit.memory": 1, "memfit.model": 1, "memfit.data": 1,
+    "memfit.evaluator": 1, "memfit.config": 1, "memfit.logger": 1,
+    "memfit.strategies": 2,
+    "memfit.optim": 3,  # a wrapper used on its own makes itself a one-device strategy
+}
+TOP = 4
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _reexports(module: str) -> dict[str, str]:
+    """For a package ``__init__``: the names it imports from its submodules -> those submodules."""
+    path = MODULES[module]
+    if path.name != "__init__.py":
+        return {}
+    out = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(module + "."):
+            for alias in node.names:
+                out[alias.asname or alias.name] = node.module
+    return out
+
+
+def _in_type_checking(node: ast.AST, parents: dict) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return True
+    return False
+
+
+def _imports(module: str) -> set[str]:
+    """The memfit modules ``module`` imports, resolved to the module that defines each name."""
+    tree = ast.parse(MODULES[module].read_text())
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if _in_type_checking(node, parents):
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("memfit")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # a relative import
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            if not base.startswith("memfit"):
+                continue
+            for alias in node.names:
+                target = f"{base}.{alias.name}"
+                if target in MODULES:
+                    found.add(target)
+                else:
+                    found.add(_reexports(base).get(alias.name, base) if base in MODULES else base)
+    return {m for m in found if m in MODULES and m != module}
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def _layer(module: str) -> int:
+    for prefix, layer in LAYERS.items():
+        if module == prefix or module.startswith(prefix + "."):
+            return layer
+    return TOP
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(GRAPH[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_reader_sees_the_imports():
+    # Guards the AST reading itself: known edges, lazy and re-exported ones included.
+    assert "memfit.strategies.base" in GRAPH["memfit.strategies.fsdp"]
+    assert "memfit.checkpoint.dcp" in GRAPH["memfit.strategies.base"]  # a function-level import
+    assert "memfit.checkpoint.io" in GRAPH["memfit.strategies.base"]  # re-exported by memfit.checkpoint
+
+
+def test_no_import_cycles():
+    assert _cycles() == []
+
+
+def test_layers_import_only_downwards():
+    upward = sorted(f"{m} -> {d}" for m, deps in GRAPH.items() for d in deps
+                    if _layer(d) > _layer(m) and _layer(m) < TOP)
+    assert upward == [], "\n".join(upward)
+
+
+def test_checkpoint_formats_do_not_live_in_strategies():
+    assert not [d for m, deps in GRAPH.items() if m.startswith("memfit.checkpoint") for d in deps
+                if d.startswith("memfit.strategies")]
+
+
+def test_every_module_imports_on_its_own():
+    """Each module imported first, in a fresh module table (torch stays loaded: one process)."""
+    code = (
+        "import importlib, sys, traceback\n"
+        "failed = []\n"
+        "for name in sys.argv[1:]:\n"
+        "    for key in [k for k in sys.modules if k == 'memfit' or k.startswith('memfit.')]:\n"
+        "        del sys.modules[key]\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except Exception:\n"
+        "        failed.append(name + ': ' + traceback.format_exc().strip().splitlines()[-1])\n"
+        "print('\\n'.join(failed))\n"
+        "sys.exit(1 if failed else 0)\n"
+    )
+    modules = sorted(m for m in MODULES if m != "memfit.__main__")  # that one runs the CLI
+    proc = subprocess.run([sys.executable, "-c", "import torch\n" + code, *modules],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+
+
+def test_no_file_over_the_size_limit():
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
