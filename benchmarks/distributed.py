@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit import dist
+from memfit.connector import setup
 from memfit.memory.measure import MB, MemoryTracker
 from memfit.model import BaseModel
 from memfit.strategies import DDPStrategy, FSDPStrategy
@@ -44,12 +45,12 @@ class Net(BaseModel):
 
 def measure(name: str, strategy, dim: int, depth: int, batch: int) -> dict:
     torch.manual_seed(0)
-    model, wrapper = strategy.prepare(Net(dim, depth), dict(optimizer=dict(type="AdamW", lr=1e-3)))
+    model, wrapper = setup(Net(dim, depth), strategy, dict(optimizer=dict(type="AdamW", lr=1e-3)))
     wrapper.initialize_count_status(model, 0, -1)
     x = torch.randn(batch, dim, device=strategy.device)
     model.train_step((x,), optim_wrapper=wrapper)  # step 1 allocates the optimizer state
     optimizer = getattr(wrapper.optimizer, "optim", wrapper.optimizer)  # ZeRO: the local optimizer
-    with MemoryTracker(strategy.unwrap(model), optimizer, device=strategy.device) as t:
+    with MemoryTracker(model, optimizer, device=strategy.device) as t:
         model.train_step((x,), optim_wrapper=wrapper)
     row = {"strategy": name, "rank": dist.get_rank(), "peak": t.peak_bytes, **t.breakdown}
     return row

@@ -38,8 +38,7 @@ train_cfg = dict(by_epoch=True, max_epochs=4, val_interval=1)
 val_cfg = dict()
 
 optim_wrapper = dict(
-    type='AmpOptimWrapper',
-    dtype='bfloat16',
+    type='AmpOptimWrapper',  # bf16 where the CPU has it natively (fp16 on CUDA); fp32 on AVX2-only CPUs
     optimizer=dict(type='AdamW', lr=1e-3, weight_decay=0.05),
     paramwise_cfg=dict(norm_decay_mult=0.0, bias_decay_mult=0.0),
     clip_grad=dict(max_norm=5.0),

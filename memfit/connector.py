@@ -15,7 +15,7 @@ from torch import nn
 
 from memfit import dist
 from memfit.errors import ConfigError
-from memfit.precision import AutocastPrecision, HalfPrecision, Precision, default_amp_dtype, parse_dtype
+from memfit.precision import AutocastPrecision, HalfPrecision, Precision, amp_precision, parse_dtype
 from memfit.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 
 # MMEngine optimizer-wrapper names that stand for a backend: name -> the strategy class they need.
@@ -96,8 +96,7 @@ def select_precision(optim_wrapper: Any, strategy: Strategy) -> Precision:
                 raise ConfigError(f"{where} asks for autocast in {requested.name[:4]} and optim_wrapper.dtype for "
                                   f"{str(dtype).removeprefix('torch.')}: they disagree, set one of them")
             dtype = requested.dtype
-        precision = AutocastPrecision(dtype or default_amp_dtype(device_type), device_type, amp["loss_scale"],
-                                      amp["fp32_modules"])
+        precision = amp_precision(dtype, device_type, amp["loss_scale"], amp["fp32_modules"])
     strategy.set_precision(precision)
     return precision
 

@@ -6,6 +6,9 @@ import pytest
 import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# AmpOptimWrapper's default dtype on CPU depends on the CPU (bf16 only where it is native): pin it to
+# fp32 so every machine runs the same tests at the same speed; precision tests set dtype explicitly.
+os.environ.setdefault("MEMFIT_CPU_BF16", "0")
 torch.set_num_threads(1)
 
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from memfit.errors import ConfigError
-from memfit.precision import AutocastPrecision, Precision, default_amp_dtype, parse_dtype
+from memfit.precision import Precision, amp_precision, parse_dtype
 from memfit.registry import OPTIM_WRAPPERS
 
 logger = logging.getLogger("memfit")
@@ -207,8 +207,7 @@ class AmpOptimWrapper(OptimWrapper):
         self.fp32_modules = list(fp32_modules or [])
 
     def requested_precision(self, device_type: str) -> Precision:
-        return AutocastPrecision(self.dtype or default_amp_dtype(device_type), device_type, self.loss_scale,
-                                 self.fp32_modules)
+        return amp_precision(self.dtype, device_type, self.loss_scale, self.fp32_modules)
 
     @property
     def skipped_steps(self) -> torch.Tensor:

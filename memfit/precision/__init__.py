@@ -5,9 +5,17 @@
 mixed_precision). ``memfit.connector`` chooses one from the config and rejects bad combinations.
 """
 
-from memfit.precision.autocast import AutocastPrecision
-from memfit.precision.base import APEX_OPT_LEVELS, Precision, default_amp_dtype, dtype_name, parse_dtype
+from memfit.precision.autocast import AutocastPrecision, amp_precision
+from memfit.precision.base import (
+    APEX_OPT_LEVELS,
+    CPU_BF16_ENV,
+    Precision,
+    cpu_has_native_bf16,
+    default_amp_dtype,
+    dtype_name,
+    parse_dtype,
+)
 from memfit.precision.half import HalfPrecision
 
-__all__ = ["APEX_OPT_LEVELS", "AutocastPrecision", "HalfPrecision", "Precision", "default_amp_dtype", "dtype_name",
-           "parse_dtype"]
+__all__ = ["APEX_OPT_LEVELS", "CPU_BF16_ENV", "AutocastPrecision", "HalfPrecision", "Precision", "amp_precision",
+           "cpu_has_native_bf16", "default_amp_dtype", "dtype_name", "parse_dtype"]

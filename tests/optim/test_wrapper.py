@@ -88,7 +88,8 @@ def test_bad_options_are_config_errors():
         OptimWrapper(torch.optim.SGD(p, lr=0.1), clip_grad=dict(max_nrom=1.0))
 
 
-def test_bf16_amp_on_cpu_trains_and_has_no_scaler():
+def test_bf16_amp_on_cpu_trains_and_has_no_scaler(monkeypatch):
+    monkeypatch.setenv("MEMFIT_CPU_BF16", "1")  # a CPU with native bf16: the default dtype is bf16
     torch.manual_seed(0)
     model = Linear()
     w = AmpOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -106,6 +107,20 @@ def test_bf16_amp_on_cpu_trains_and_has_no_scaler():
     assert losses[-1] < 0.8 * losses[0]
 
 
+def test_amp_default_stays_fp32_on_a_cpu_without_native_bf16(monkeypatch, caplog):
+    monkeypatch.setenv("MEMFIT_CPU_BF16", "0")
+    model = Linear()
+    w = AmpOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1))
+    with w.optim_context(model):
+        assert model(torch.randn(2, 8)).dtype is torch.float32
+    assert w.precision.name == "fp32" and "has no native bf16" in caplog.text
+    # An explicit dtype is honoured, with a warning that it is emulated.
+    w = AmpOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), dtype="bfloat16")
+    with w.optim_context(model):
+        assert model(torch.randn(2, 8)).dtype is torch.bfloat16
+    assert "is emulated" in caplog.text
+
+
 def test_fp16_scaler_counts_skipped_steps_and_round_trips():
     model = Linear()
     w = AmpOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), dtype="float16", loss_scale="dynamic")
@@ -121,6 +136,16 @@ def test_fp16_scaler_counts_skipped_steps_and_round_trips():
     w2 = AmpOptimWrapper(torch.optim.SGD(Linear().parameters(), lr=0.1), dtype="float16")
     w2.load_state_dict(state)
     assert w2.scaler.get_scale() == w.scaler.get_scale() and int(w2.skipped_steps) == 1
+
+
+def test_fixed_loss_scale_stays_fixed_and_still_skips_overflows():
+    model = Linear()
+    w = AmpOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), dtype="float16", loss_scale=512.0)
+    w.initialize_count_status(model, 0, 10)
+    w.update_params(model(torch.randn(2, 8)).sum())
+    assert w.scaler.get_scale() == 512.0 and int(w.skipped_steps) == 0
+    w.update_params(model(torch.randn(2, 8)).sum() * float("inf"))
+    assert w.scaler.get_scale() == 512.0 and int(w.skipped_steps) == 1
 
 
 def test_clip_grad_logs_norm():

@@ -169,7 +169,7 @@ def test_config_fills_batch_accumulation_clipping_and_autocast():
     (dict(torch_autocast=dict(enabled=True, dtype="float16")), dict(type="AmpOptimWrapper", dtype="bfloat16"),
      "disagree"),
     (dict(amp=dict(enabled=True)), dict(type="AmpOptimWrapper", dtype="bfloat16"), "disagree"),
-    ({}, dict(type="AmpOptimWrapper", loss_scale=512.0), "dynamic GradScaler"),
+    ({}, dict(type="AmpOptimWrapper", dtype="bfloat16", loss_scale=512.0), "dynamic GradScaler"),
 ])
 def test_config_errors_name_the_key(kwargs, wrapper, match):
     s = _strategy(**kwargs)

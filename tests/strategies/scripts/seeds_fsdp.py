@@ -140,4 +140,4 @@ with torch.no_grad():
 expected = 100.0 * correct / len(valid_set)
 write_result(dict(toy=toy, units=runner.strategy.units, accuracy=float(metrics['accuracy']),
                   size=int(metrics['size']), expected_accuracy=expected,
-                  precision=str(runner.optim_wrapper.precision.dtype)))
+                  precision=runner.optim_wrapper.precision.name))
