@@ -82,7 +82,7 @@ def test_plugin_names_and_precision_mapping():
     p = select_precision(adamw, ColossalAIStrategy(plugin="gemini", mixed_precision="bf16"))
     assert isinstance(p, HalfPrecision) and p.dtype is torch.bfloat16
     with pytest.raises(ConfigError, match="the plugin owns precision"):
-        select_precision(dict(adamw, type="AmpOptimWrapper"), ColossalAIStrategy(plugin="gemini"))
+        select_precision(dict(adamw, type="AmpOptimWrapper", dtype="bfloat16"), ColossalAIStrategy(plugin="gemini"))
 
 
 @GPU_ONLY

@@ -1,0 +1,218 @@
+"""Framework overhead per training step: memfit's train_step and Runner loop vs a plain PyTorch loop.
+
+    .venv/bin/python benchmarks/overhead.py               # dim 512, depth 2, batch 64: 20 rounds x 10 steps
+    .venv/bin/python benchmarks/overhead.py --rounds 5    # quicker, wider spread
+
+Target: memfit's ``train_step`` within 2% of the plain loop.
+
+Three copies of one model (seed 0: residual Linear-GELU-Linear blocks, AdamW lr 1e-3) train on the
+same batch on one CPU thread (``torch.set_num_threads(1)``):
+
+* plain: nanoGPT's loop, ``loss = model(x).pow(2).mean(); loss.backward(); opt.step();
+  opt.zero_grad(set_to_none=True)``;
+* memfit train_step: ``model.train_step((x,), optim_wrapper)`` after ``memfit.connector.setup`` with
+  SingleDeviceStrategy (preprocessor, optim_context, parse_losses, update_params);
+* memfit Runner: the whole ``Runner.train()`` loop, iteration-based, on an in-memory dataset of the
+  batch's rows (DefaultSampler without shuffling, so every iteration sees the same batch), default
+  hooks with the logger's interval beyond the run and no checkpoints.
+
+The Runner drives the run. A hook at the lowest priority (it runs after every other hook) times each
+Runner iteration from inside: the time between consecutive ``after_train_iter`` calls, so data
+loading, all hooks and the loop's bookkeeping are included. After every ``--block`` Runner
+iterations the hook runs ``--block`` individually timed plain steps and as many train_step steps
+(their order alternating from round to round), so the three paths are measured interleaved in
+one process. ``--warmup`` steps of each path come first and are discarded. Reported per path: the
+median ms per step over all rounds, and the overhead as the median over rounds of the ratio of
+the round's median step time to the plain loop's median in the same round; the spread is those
+ratios' interquartile range. All paths see the same data for the same number of steps, so the
+models must end with the same parameters: the largest difference is printed as a check.
+
+Prints a Markdown table, writes ``benchmarks/results/overhead.csv`` and ``overhead.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memfit.connector import setup
+from memfit.hooks import Hook
+from memfit.model import BaseModel
+from memfit.runner import Runner
+from memfit.strategies import SingleDeviceStrategy
+
+RESULTS = Path(__file__).parent / "results"
+PATHS = ("plain", "memfit train_step", "memfit Runner")
+OPTIM = dict(optimizer=dict(type="AdamW", lr=1e-3))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+class Net(BaseModel):
+    def __init__(self, d: int, depth: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(*[Block(d) for _ in range(depth)])
+
+    def forward(self, x: torch.Tensor, mode: str = "tensor"):
+        out = self.blocks(x)
+        return dict(loss=out.pow(2).mean()) if mode == "loss" else out
+
+
+class Rows(torch.utils.data.Dataset):
+    """``length`` samples cycling through the batch's rows: batch i of an unshuffled loader is ``x``."""
+
+    def __init__(self, x: torch.Tensor, length: int) -> None:
+        self.x, self.length = x, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.x[i % len(self.x)]
+
+
+class Interleave(Hook):
+    """Times Runner iterations; every ``block`` iterations runs the other paths' timed blocks."""
+
+    priority = "LOWEST"
+
+    def __init__(self, steps: dict, warmup: int, block: int, rounds: int) -> None:
+        self.steps, self.warmup, self.block = steps, warmup, block
+        self.times = {p: [[] for _ in range(rounds)] for p in PATHS}
+        self.t0: float | None = None
+
+    def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None) -> None:
+        now = time.perf_counter()
+        k = runner.iter - self.warmup  # runner.iter: the iteration just run
+        if k >= 0 and self.t0 is not None:
+            r = k // self.block
+            self.times["memfit Runner"][r].append(now - self.t0)
+            if (k + 1) % self.block == 0:
+                order = list(self.steps.items())
+                for name, step in order if r % 2 == 0 else order[::-1]:
+                    for _ in range(self.block):
+                        t = time.perf_counter()
+                        step()
+                        self.times[name][r].append(time.perf_counter() - t)
+        self.t0 = time.perf_counter()
+
+
+def run(dim: int, depth: int, batch: int, rounds: int, block: int, warmup: int) -> tuple[dict, float]:
+    torch.set_num_threads(1)
+    x = torch.randn(batch, dim, generator=torch.Generator().manual_seed(0))
+    plain = Net(dim, depth)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+
+    def plain_step() -> None:
+        loss = plain(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    strategy = SingleDeviceStrategy()
+    strategy.setup_env()
+    model, wrapper = setup(Net(dim, depth), strategy, OPTIM)
+    wrapper.initialize_count_status(model, 0, -1)
+
+    def memfit_step() -> None:
+        model.train_step((x,), optim_wrapper=wrapper)
+
+    for _ in range(warmup):
+        plain_step()
+        memfit_step()
+    iters = warmup + rounds * block
+    hook = Interleave({"plain": plain_step, "memfit train_step": memfit_step}, warmup, block, rounds)
+    with tempfile.TemporaryDirectory() as work_dir:
+        runner = Runner(
+            model=Net(dim, depth), work_dir=work_dir, optim_wrapper=OPTIM, randomness=dict(seed=0),
+            train_dataloader=dict(batch_size=batch, dataset=Rows(x, batch * iters),
+                                  sampler=dict(type="DefaultSampler", shuffle=False)),
+            train_cfg=dict(by_epoch=False, max_iters=iters), log_level="WARNING",
+            default_hooks=dict(checkpoint=None, logger=dict(interval=10**9, progress_bar=False)),
+            custom_hooks=[hook])
+        runner.train()
+    diff = max((p - q).abs().max().item() for other in (model, runner.model)
+               for p, q in zip(plain.parameters(), other.parameters()))
+    return hook.times, diff
+
+
+def summarize(times: dict) -> list[dict]:
+    rows = []
+    plain_rounds = [statistics.median(t) for t in times["plain"]]
+    for name in PATHS:
+        ratios = [statistics.median(t) / b for t, b in zip(times[name], plain_rounds)]
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+        flat = [s for t in times[name] for s in t]
+        rows.append({"path": name, "median_ms": 1e3 * statistics.median(flat), "steps": len(flat),
+                     "overhead_pct": 100 * (statistics.median(ratios) - 1),
+                     "iqr_low_pct": 100 * (q1 - 1), "iqr_high_pct": 100 * (q3 - 1)})
+    return rows
+
+
+def chart(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.0, 4.0))
+    ms = [r["median_ms"] for r in rows]
+    bars = ax.bar(range(len(rows)), ms, color=["tab:gray", "tab:blue", "tab:orange"][: len(rows)])
+    for bar, r in zip(bars, rows):
+        label = "baseline" if r["path"] == "plain" else f"{r['overhead_pct']:+.2f}%"
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([r["path"] for r in rows])
+    ax.set_ylabel("median ms / step")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds")
+    parser.add_argument("--block", type=int, default=10, help="timed steps per path and round")
+    parser.add_argument("--warmup", type=int, default=10, help="discarded steps per path")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the CSV and PNG files")
+    args = parser.parse_args(argv)
+    times, diff = run(args.dim, args.depth, args.batch, args.rounds, args.block, args.warmup)
+    rows = summarize(times)
+    title = (f"MLP dim {args.dim} x {args.depth} blocks, batch {args.batch}, AdamW, 1 CPU thread, "
+             f"{args.rounds} rounds x {args.block} steps")
+    print(f"{title}; Runner timed between after_train_iter calls (data loading and hooks included)")
+    print("\n| path | median ms/step | overhead vs plain | IQR over rounds |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['path']} | {r['median_ms']:.2f} | {r['overhead_pct']:+.2f}% "
+              f"| [{r['iqr_low_pct']:+.2f}%, {r['iqr_high_pct']:+.2f}%] |")
+    print(f"\nlargest parameter difference between the paths after training: {diff:.3g}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "overhead.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows)
+    chart(rows, args.out / "overhead.png", title)
+
+
+if __name__ == "__main__":
+    main()
