@@ -114,10 +114,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    import os
-
-    if getattr(args, "launcher", None) is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        args.launcher = "pytorch"  # started by torchrun
     try:
         return args.func(args)
     except MemfitError as exc:

@@ -69,6 +69,30 @@ def init_process_group(launcher: str, backend: str | None = None, timeout_s: int
     dist.init_process_group(**kwargs)
 
 
+def resolve_launcher(launcher: str | None) -> str:
+    """The launcher a Runner uses: ``None`` is inferred from the environment as MMEngine does (torchrun's
+    RANK/WORLD_SIZE -> 'pytorch', a Slurm job of several tasks -> 'slurm', else 'none'). An explicit
+    'none' in a process that is one of several is refused: two processes never train separately
+    into one work dir."""
+    from memfit.errors import ConfigError
+
+    env = os.environ
+    if launcher is None:
+        if "RANK" in env and "WORLD_SIZE" in env:
+            return "pytorch"
+        # srun sets the step's task count; a batch script's own shell (one process) does not.
+        if "SLURM_PROCID" in env and int(env.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
+            return "slurm"
+        return "none"
+    if launcher not in ("none", "pytorch", "slurm"):
+        raise ConfigError(f"launcher={launcher!r}: use 'none', 'pytorch' or 'slurm' (or leave it unset: inferred)")
+    world = int(env.get("WORLD_SIZE") or 1)
+    if launcher == "none" and world > 1 and not is_distributed():
+        raise ConfigError(f"launcher='none' but this process is one of WORLD_SIZE={world}: they would train "
+                          "separately into one work dir; use launcher='pytorch' or leave launcher unset (inferred)")
+    return launcher
+
+
 def launcher_from_env(launcher: str) -> str:
     """'pytorch' when torchrun's variables are set but the launcher was left at 'none' (the seeds'
     Python snippets build a Runner without ``launcher=``); otherwise ``launcher`` unchanged."""

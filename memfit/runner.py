@@ -7,6 +7,7 @@ strategy's wrapping: :func:`memfit.connector.setup`), and saves/restores the sta
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from pathlib import Path
@@ -56,7 +57,7 @@ class Runner:
         data_preprocessor: dict | None = None,
         load_from: str | None = None,
         resume: bool | str = False,
-        launcher: str = "none",
+        launcher: str | None = None,
         env_cfg: dict | None = None,
         log_processor: dict | None = None,
         log_level: str = "INFO",
@@ -86,11 +87,15 @@ class Runner:
         self._auto_scale_lr = auto_scale_lr
         self.load_from, self.resume_from = load_from, resume
         self.compile = compile
-        self.launcher = launcher
+        self.launcher = launcher = dist.resolve_launcher(launcher)
 
         # Environment: process group and device first, then seeds, then files and the logger.
         env = EnvCfg.from_dict(env_cfg, "env_cfg")
-        self.strategy = build_strategy(strategy if strategy is not None else self._strategy_from_cfg())
+        if strategy is None:
+            strategy = self._strategy_from_cfg()
+        if strategy is None and launcher != "none" and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            strategy = "ddp"  # launched as several processes with no strategy: data parallel, as MMEngine does
+        self.strategy = build_strategy(strategy)
         self.strategy.setup_env(launcher, {"dist_cfg": env.dist_cfg, "cudnn_benchmark": env.cudnn_benchmark})
         self.randomness = Randomness.from_dict(randomness, "randomness")
         self.seed = self._set_seed(self.randomness)

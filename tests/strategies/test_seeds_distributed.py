@@ -23,3 +23,24 @@ def test_seed_fsdp_snippets_under_torchrun(tmp_path):
     assert r0["size"] == r1["size"] == 7
     # The seed's metric returns a float32 tensor; one sample is 14.3 points, so rel=1e-6 only absorbs dtype.
     assert r0["accuracy"] == r1["accuracy"] == pytest.approx(r0["expected_accuracy"], rel=1e-6)
+    # No strategy and no launcher under torchrun: the launcher is inferred and training is data parallel.
+    assert r0["inferred"] == dict(strategy="DDPStrategy", launcher="pytorch", world=2, iters=13, same_on_ranks=True)
+
+
+def test_launcher_is_inferred_and_an_explicit_none_under_torchrun_is_refused(monkeypatch):
+    from memfit.dist import resolve_launcher
+    from memfit.errors import ConfigError
+
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(key, raising=False)
+    assert resolve_launcher(None) == "none"
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")  # srun with 4 tasks
+    assert resolve_launcher(None) == "slurm"
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert resolve_launcher(None) == "pytorch"
+    with pytest.raises(ConfigError, match="launcher='none' but this process is one of WORLD_SIZE=2"):
+        resolve_launcher("none")
+    with pytest.raises(ConfigError, match="launcher='mpi'"):
+        resolve_launcher("mpi")

@@ -138,6 +138,16 @@ with torch.no_grad():
             hits = plain(imgs, labels, 'predict')[0].argmax(1) == labels
             correct += sum(int(h) for p, h in zip(batch, hits) if p < len(valid_set))
 expected = 100.0 * correct / len(valid_set)
-write_result(dict(toy=toy, units=runner.strategy.units, accuracy=float(metrics['accuracy']),
-                  size=int(metrics['size']), expected_accuracy=expected,
-                  precision=runner.optim_wrapper.precision.name))
+fsdp = dict(units=runner.strategy.units, accuracy=float(metrics['accuracy']), size=int(metrics['size']),
+            expected_accuracy=expected, precision=runner.optim_wrapper.precision.name)
+
+# -- snippet 1 again, as a FlexibleRunner with no strategy and no launcher under torchrun ---------
+# MMEngine infers the launcher from the environment and trains data parallel.
+runner = FlexibleRunner(model=ToyModel(), work_dir='tmp_dir_ddp',
+                        train_dataloader=DataLoader(train_dataset, batch_size=2), train_cfg=dict(by_epoch=True, max_epochs=1),
+                        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.01)))
+runner.train()
+weights = [dist.all_gather_object(float(p.detach().sum())) for p in runner.model.parameters()]
+inferred = dict(strategy=type(runner.strategy).__name__, launcher=runner.launcher, world=dist.get_world_size(),
+                iters=runner.iter, same_on_ranks=all(w[0] == w[1] for w in weights))
+write_result(dict(toy=toy, inferred=inferred, **fsdp))
