@@ -144,7 +144,8 @@ fsdp = dict(units=runner.strategy.units, accuracy=float(metrics['accuracy']), si
 # -- snippet 1 again, as a FlexibleRunner with no strategy and no launcher under torchrun ---------
 # MMEngine infers the launcher from the environment and trains data parallel.
 runner = FlexibleRunner(model=ToyModel(), work_dir='tmp_dir_ddp',
-                        train_dataloader=DataLoader(train_dataset, batch_size=2), train_cfg=dict(by_epoch=True, max_epochs=1),
+                        train_dataloader=DataLoader(train_dataset, batch_size=2),
+                        train_cfg=dict(by_epoch=True, max_epochs=1),
                         optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.01)))
 runner.train()
 weights = [dist.all_gather_object(float(p.detach().sum())) for p in runner.model.parameters()]
