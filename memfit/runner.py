@@ -21,6 +21,7 @@ from memfit import dist
 from memfit.errors import ConfigError, did_you_mean
 from memfit.hooks.base import Hook, get_priority
 from memfit.logger import MessageHub, get_logger
+from memfit.model.base import BaseModel
 from memfit.registry import HOOKS, MODELS, copy_cfg
 
 # The seeds' default hooks; entries of ``default_hooks`` replace or (set to None) remove them.
@@ -69,7 +70,7 @@ class Runner:
         compile: bool | dict = False,
         cfg: dict | None = None,
     ) -> None:
-        from memfit.config.schema import CONFIG_KEYS, EnvCfg, Randomness, TrainCfg
+        from memfit.config.schema import CONFIG_KEYS, EnvCfg, Randomness, TestCfg, TrainCfg, ValCfg
         from memfit.strategies import build_strategy
 
         self.cfg = dict(cfg or {})
@@ -79,7 +80,9 @@ class Runner:
         self.work_dir = Path(work_dir).resolve()
         self.experiment_name = experiment_name
         self._train_cfg = TrainCfg.from_dict(train_cfg, "train_cfg") if train_cfg is not None else None
-        self._val_cfg, self._test_cfg = val_cfg, test_cfg
+        # Checked here too (not only in configs): a typo in val_cfg/test_cfg fails in the Python API as well.
+        self._val_cfg = ValCfg.from_dict(val_cfg, "val_cfg") if val_cfg is not None else None
+        self._test_cfg = TestCfg.from_dict(test_cfg, "test_cfg") if test_cfg is not None else None
         self._train_dataloader_cfg, self._val_dataloader_cfg = train_dataloader, val_dataloader
         self._test_dataloader_cfg = test_dataloader
         self._optim_wrapper_cfg, self._param_scheduler_cfg = optim_wrapper, param_scheduler
@@ -295,7 +298,7 @@ class Runner:
             return None
         loader = self._build_dataloader(loader_cfg, f"{mode}_dataloader")
         setattr(self, f"{mode}_dataloader", loader)
-        fp16 = bool(loop_cfg.get("fp16", False)) if isinstance(loop_cfg, dict) else False
+        fp16 = bool(getattr(loop_cfg, "fp16", False))
         evaluator = Evaluator(evaluator_cfg, dataset_size=len(loader.dataset) if hasattr(loader, "dataset") else None)
         return EvalLoop(self, loader, evaluator, mode=mode, fp16=fp16)
 
@@ -312,6 +315,8 @@ class Runner:
         self.train_loop = TrainLoop(self, self.train_dataloader, by_epoch=tc.by_epoch, max_epochs=tc.max_epochs,
                                     max_iters=tc.max_iters, val_interval=tc.val_interval, val_begin=tc.val_begin)
         self.val_loop = self._build_eval_loop(self._val_dataloader_cfg, self._val_evaluator_cfg, self._val_cfg, "val")
+        if isinstance(self.model, BaseModel) and not self._prepared:
+            self.model.init_weights()  # init_cfg (e.g. Pretrained); load_from / resume load over it
         self._prepare(with_optimizer=True)
         self.param_schedulers = build_param_schedulers(
             self._param_scheduler_cfg, self.optim_wrapper.optimizer, by_epoch_run=tc.by_epoch,

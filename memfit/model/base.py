@@ -57,6 +57,13 @@ class BaseModel(nn.Module):
         self.data_preprocessor = data_preprocessor or BaseDataPreprocessor()
         self.init_cfg = init_cfg
 
+    def init_weights(self) -> None:
+        """Apply ``init_cfg`` (this model's and its submodules'; see :mod:`memfit.model.init`). The
+        runner calls it before training, as MMEngine's does; override to initialise otherwise."""
+        from memfit.model.init import init_model_weights
+
+        init_model_weights(self)
+
     def train_step(self, data: Any, optim_wrapper: Any) -> dict[str, torch.Tensor]:
         """Forward under the wrapper's context (autocast, no-sync), backward and step through it."""
         with optim_wrapper.optim_context(self):

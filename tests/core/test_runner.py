@@ -169,3 +169,10 @@ def test_from_cfg_rejects_misspelt_top_level_key():
     cfg = dict(model=dict(type="TimmClassifier", model_name="resnet18"), work_dir="w", trian_cfg=dict())
     with pytest.raises(ConfigError, match="did you mean 'train_cfg'"):
         Runner.from_cfg(cfg)
+
+
+def test_val_and_test_cfg_typos_fail_in_the_python_api_too():
+    with pytest.raises(ConfigError, match="unknown config key 'val_cfg.fp61': did you mean 'fp16'"):
+        _runner("w", val_cfg=dict(fp61=True))
+    with pytest.raises(ConfigError, match="test_cfg.fp16 must be bool"):
+        _runner("w", test_cfg=dict(fp16="yes"))
