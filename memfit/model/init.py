@@ -41,7 +41,8 @@ def init_weights(module: nn.Module, init_cfg: dict | list, key: str = "init_cfg"
     for i, cfg in enumerate(init_cfg if isinstance(init_cfg, list | tuple) else [init_cfg]):
         where = f"{key}[{i}]" if isinstance(init_cfg, list | tuple) else key
         if not isinstance(cfg, dict) or "type" not in cfg:
-            raise ConfigError(f"{where}={cfg!r}: use dict(type='Pretrained', checkpoint=...) or dict(type='Normal', ...)")
+            raise ConfigError(f"{where}={cfg!r}: use dict(type='Pretrained', checkpoint=...) or "
+                              "dict(type='Normal', ...)")
         cfg = dict(cfg)
         kind = cfg.pop("type")
         if kind == "Pretrained":
@@ -73,7 +74,8 @@ def _pretrained(module: nn.Module, where: str, checkpoint: str | None = None, pr
     from memfit.checkpoint import load_weights
 
     if unknown:
-        raise ConfigError(f"{where}: Pretrained takes no {sorted(unknown)[0]!r}: use checkpoint=, prefix=, map_location=")
+        raise ConfigError(f"{where}: Pretrained takes no {sorted(unknown)[0]!r}: use checkpoint=, prefix=, "
+                          "map_location=")
     if not checkpoint:
         raise ConfigError(f"{where}: Pretrained needs checkpoint='path/to/weights.pth' (a local file)")
     if prefix and not prefix.endswith("."):
