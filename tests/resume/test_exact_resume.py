@@ -108,7 +108,8 @@ def test_epoch_based_kills_resume_bit_exact(tmp_path, epoch_reference):
 def test_iteration_based_random_kill_resume_bit_exact(tmp_path, iter_reference):
     """Iteration-based, num_workers=2: a kill at a random iteration, then one right after the
     save of iter_K that follows it."""
-    k = random.randrange(5, ITERS - 5)  # a checkpoint every 5 iterations: one exists by then
+    seed = int(os.environ.get("MEMFIT_KILL_SEED", "20261122"))  # set it to try other kill points
+    k = random.Random(seed).randrange(5, ITERS - 5)  # a checkpoint every 5 iterations: one exists by then
     after = (k // 5 + 1) * 5
     kills = [f"before:{k}", f"after:{after}"]
     last_ckpt = k // 5 * 5

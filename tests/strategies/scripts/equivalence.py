@@ -67,6 +67,7 @@ def run(strategy, optim, *, accum: int = 1, frozen: bool = False, techniques=Non
     torch.manual_seed(0)
     model = Net(frozen_stem=frozen)
     model, wrapper = setup(model, strategy, dict(optim, accumulative_counts=accum), techniques)
+    init = full_params(strategy, model)
     wrapper.initialize_count_status(model, 0, -1)
     rank, world = (dist.get_rank(), dist.get_world_size()) if local else (0, 1)
     losses, synced = [], []
@@ -85,7 +86,8 @@ def run(strategy, optim, *, accum: int = 1, frozen: bool = False, techniques=Non
         if local:
             total = dist.all_reduce_mean(total)
         losses.append(float(total))
-    out = {"losses": losses, "params": full_params(strategy, model), "units": getattr(strategy, "units", [])}
+    out = {"losses": losses, "params": full_params(strategy, model), "init": init,
+           "units": getattr(strategy, "units", [])}
     if record_sync:
         out["after_first_micro"] = synced
     return out
