@@ -7,8 +7,8 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-# Rebuilt when pyproject.toml changes (the stamp is older) or .venv is missing.
-$(STAMP): pyproject.toml
+# Rebuilt when a pin (pyproject.toml) or the install steps (this Makefile) change, or .venv is missing.
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test,coco,deepspeed,colossalai]'
@@ -19,6 +19,7 @@ demo: venv
 	$(BIN)/memfit train configs/vit_shapes.py --work-dir work_dirs/demo
 
 test: venv
+	$(BIN)/ruff check memfit tests benchmarks
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests
 
 lint: venv
