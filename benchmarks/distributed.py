@@ -93,12 +93,18 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16)
     args = parser.parse_args()
-    DDPStrategy().setup_env("pytorch")
+
+    def ready(strategy):
+        # Joins torchrun's process group (the first time) and sets the strategy's device: without it
+        # a strategy stays on the CPU, which fails on CUDA (an NCCL group).
+        strategy.setup_env("pytorch")
+        return strategy
+
     strategies = {
-        "DDP": lambda: DDPStrategy(),
-        "DDP + ZeRO-1": lambda: DDPStrategy(zero=True),
-        "FSDP": lambda: FSDPStrategy(),
-        "FSDP + offload": lambda: FSDPStrategy(cpu_offload=True),
+        "DDP": lambda: ready(DDPStrategy()),
+        "DDP + ZeRO-1": lambda: ready(DDPStrategy(zero=True)),
+        "FSDP": lambda: ready(FSDPStrategy()),
+        "FSDP + offload": lambda: ready(FSDPStrategy(cpu_offload=True)),
     }
     strategies.update(deepspeed_rows(args.batch))
     rows = []

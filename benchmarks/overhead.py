@@ -6,26 +6,29 @@
 Target: memfit's ``train_step`` within 2% of the plain loop.
 
 Three copies of one model (seed 0: residual Linear-GELU-Linear blocks, AdamW lr 1e-3) train on the
-same batch on one CPU thread (``torch.set_num_threads(1)``):
+same batch on one CPU thread (``torch.set_num_threads(1)``), or on the GPU where there is one
+(the device the Runner picks; each timed step then ends with ``torch.cuda.synchronize``):
 
 * plain: nanoGPT's loop, ``loss = model(x).pow(2).mean(); loss.backward(); opt.step();
   opt.zero_grad(set_to_none=True)``;
 * memfit train_step: ``model.train_step((x,), optim_wrapper)`` after ``memfit.connector.setup`` with
   SingleDeviceStrategy (preprocessor, optim_context, parse_losses, update_params);
 * memfit Runner: the whole ``Runner.train()`` loop, iteration-based, on an in-memory dataset of the
-  batch's rows (DefaultSampler without shuffling, so every iteration sees the same batch), default
-  hooks with the logger's interval beyond the run and no checkpoints.
+  batch's rows in host memory (DefaultSampler without shuffling, so every iteration sees the same
+  batch; on a GPU the data preprocessor copies it over), default hooks with the logger's interval
+  beyond the run and no checkpoints.
 
 The Runner drives the run. A hook at the lowest priority (it runs after every other hook) times each
 Runner iteration from inside: the time between consecutive ``after_train_iter`` calls, so data
-loading, all hooks and the loop's bookkeeping are included. After every ``--block`` Runner
-iterations the hook runs ``--block`` individually timed plain steps and as many train_step steps
-(their order alternating from round to round), so the three paths are measured interleaved in
-one process. ``--warmup`` steps of each path come first and are discarded. Reported per path: the
-median ms per step over all rounds, and the overhead as the median over rounds of the ratio of
-the round's median step time to the plain loop's median in the same round; the spread is those
-ratios' interquartile range. All paths see the same data for the same number of steps, so the
-models must end with the same parameters: the largest difference is printed as a check.
+loading, all hooks and the loop's bookkeeping are included. After each Runner iteration the hook
+runs one timed plain step and one train_step step (their order alternating), so the three paths
+are interleaved step by step in one process and share any drift of the machine's speed.
+``--warmup`` steps of each path come first and are discarded; the rest are grouped in rounds of
+``--block`` steps per path. Reported per path: the median ms per step over all rounds, and the
+overhead as the median over rounds of the ratio of the round's median step time to the plain
+loop's median in the same round; the spread is those ratios' interquartile range. All paths see
+the same data for the same number of steps, so the models must end with the same parameters: the
+largest difference is printed as a check.
 
 Prints a Markdown table, writes ``benchmarks/results/overhead.csv`` and ``overhead.png``.
 """
@@ -43,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memfit import dist
 from memfit.connector import setup
 from memfit.hooks import Hook
 from memfit.model import BaseModel
@@ -78,45 +82,47 @@ class Rows(torch.utils.data.Dataset):
     """``length`` samples cycling through the batch's rows: batch i of an unshuffled loader is ``x``."""
 
     def __init__(self, x: torch.Tensor, length: int) -> None:
-        self.x, self.length = x, length
+        self.x, self.n, self.length = x, len(x), length
 
     def __len__(self) -> int:
         return self.length
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return self.x[i % len(self.x)]
+        return self.x[i % self.n]
 
 
 class Interleave(Hook):
-    """Times Runner iterations; every ``block`` iterations runs the other paths' timed blocks."""
+    """Times each Runner iteration, then runs one timed step of each other path (order alternating)."""
 
     priority = "LOWEST"
 
-    def __init__(self, steps: dict, warmup: int, block: int, rounds: int) -> None:
-        self.steps, self.warmup, self.block = steps, warmup, block
+    def __init__(self, steps: dict, warmup: int, block: int, rounds: int, sync) -> None:
+        self.steps, self.warmup, self.block, self.sync = steps, warmup, block, sync
         self.times = {p: [[] for _ in range(rounds)] for p in PATHS}
         self.t0: float | None = None
 
     def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None) -> None:
+        self.sync()
         now = time.perf_counter()
         k = runner.iter - self.warmup  # runner.iter: the iteration just run
         if k >= 0 and self.t0 is not None:
             r = k // self.block
             self.times["memfit Runner"][r].append(now - self.t0)
-            if (k + 1) % self.block == 0:
-                order = list(self.steps.items())
-                for name, step in order if r % 2 == 0 else order[::-1]:
-                    for _ in range(self.block):
-                        t = time.perf_counter()
-                        step()
-                        self.times[name][r].append(time.perf_counter() - t)
+            order = list(self.steps.items())
+            for name, step in order if k % 2 == 0 else order[::-1]:
+                t = time.perf_counter()
+                step()
+                self.sync()
+                self.times[name][r].append(time.perf_counter() - t)
         self.t0 = time.perf_counter()
 
 
-def run(dim: int, depth: int, batch: int, rounds: int, block: int, warmup: int) -> tuple[dict, float]:
+def run(dim: int, depth: int, batch: int, rounds: int, block: int, warmup: int) -> tuple[dict, float, str]:
     torch.set_num_threads(1)
-    x = torch.randn(batch, dim, generator=torch.Generator().manual_seed(0))
-    plain = Net(dim, depth)
+    device = dist.default_device()  # the Runner's and SingleDeviceStrategy's choice
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    x = torch.randn(batch, dim, generator=torch.Generator().manual_seed(0)).to(device)
+    plain = Net(dim, depth).to(device)
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
 
     def plain_step() -> None:
@@ -137,11 +143,11 @@ def run(dim: int, depth: int, batch: int, rounds: int, block: int, warmup: int) 
         plain_step()
         memfit_step()
     iters = warmup + rounds * block
-    hook = Interleave({"plain": plain_step, "memfit train_step": memfit_step}, warmup, block, rounds)
+    hook = Interleave({"plain": plain_step, "memfit train_step": memfit_step}, warmup, block, rounds, sync)
     with tempfile.TemporaryDirectory() as work_dir:
         runner = Runner(
             model=Net(dim, depth), work_dir=work_dir, optim_wrapper=OPTIM, randomness=dict(seed=0),
-            train_dataloader=dict(batch_size=batch, dataset=Rows(x, batch * iters),
+            train_dataloader=dict(batch_size=batch, dataset=Rows(x.cpu(), batch * iters),
                                   sampler=dict(type="DefaultSampler", shuffle=False)),
             train_cfg=dict(by_epoch=False, max_iters=iters), log_level="WARNING",
             default_hooks=dict(checkpoint=None, logger=dict(interval=10**9, progress_bar=False)),
@@ -149,7 +155,7 @@ def run(dim: int, depth: int, batch: int, rounds: int, block: int, warmup: int) 
         runner.train()
     diff = max((p - q).abs().max().item() for other in (model, runner.model)
                for p, q in zip(plain.parameters(), other.parameters()))
-    return hook.times, diff
+    return hook.times, diff, "1 CPU thread" if device.type == "cpu" else torch.cuda.get_device_name(device)
 
 
 def summarize(times: dict) -> list[dict]:
@@ -172,13 +178,10 @@ def chart(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.0, 4.0))
-    ms = [r["median_ms"] for r in rows]
-    bars = ax.bar(range(len(rows)), ms, color=["tab:gray", "tab:blue", "tab:orange"][: len(rows)])
+    bars = ax.bar([r["path"] for r in rows], [r["median_ms"] for r in rows], color=["gray", "tab:blue", "tab:orange"])
     for bar, r in zip(bars, rows):
         label = "baseline" if r["path"] == "plain" else f"{r['overhead_pct']:+.2f}%"
         ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([r["path"] for r in rows])
     ax.set_ylabel("median ms / step")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
@@ -192,13 +195,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds")
-    parser.add_argument("--block", type=int, default=10, help="timed steps per path and round")
+    parser.add_argument("--block", type=int, default=10, help="steps per path in a round")
     parser.add_argument("--warmup", type=int, default=10, help="discarded steps per path")
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the CSV and PNG files")
     args = parser.parse_args(argv)
-    times, diff = run(args.dim, args.depth, args.batch, args.rounds, args.block, args.warmup)
+    times, diff, where = run(args.dim, args.depth, args.batch, args.rounds, args.block, args.warmup)
     rows = summarize(times)
-    title = (f"MLP dim {args.dim} x {args.depth} blocks, batch {args.batch}, AdamW, 1 CPU thread, "
+    title = (f"MLP dim {args.dim} x {args.depth} blocks, batch {args.batch}, AdamW, {where}, "
              f"{args.rounds} rounds x {args.block} steps")
     print(f"{title}; Runner timed between after_train_iter calls (data loading and hooks included)")
     print("\n| path | median ms/step | overhead vs plain | IQR over rounds |\n|---|---|---|---|")

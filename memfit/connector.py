@@ -125,6 +125,8 @@ def setup(model: nn.Module, strategy: Strategy, optim_wrapper: Any = None, techn
     from memfit.memory import apply_memory_techniques
     from memfit.optim.builder import build_optim_wrapper
 
+    if not strategy.env_ready:  # built by hand (tests, notebooks): join the launch's group, pick the device
+        strategy.setup_env(dist.resolve_launcher(None))
     optim_wrapper = resolve_optim_wrapper(optim_wrapper, strategy)
     precision = select_precision(optim_wrapper, strategy)
     if optimizer_in_backward and optim_wrapper is not None:

@@ -28,3 +28,13 @@ def _capture_memfit_logs(caplog):
     logger.addHandler(caplog.handler)
     yield
     logger.removeHandler(caplog.handler)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_leaks():
+    """A strategy set up in-process joins a one-process group: do not let it leak into later tests."""
+    yield
+    import torch.distributed as tdist
+
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.destroy_process_group()

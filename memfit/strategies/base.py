@@ -28,6 +28,7 @@ class Strategy:
     def __init__(self) -> None:
         self.device = torch.device("cpu")
         self.precision: Precision = Precision()
+        self.env_ready = False  # setup_env has run (the connector runs it when nobody did)
 
     # -- environment -------------------------------------------------------------------------
     def setup_env(self, launcher: str = "none", env_cfg: dict | None = None) -> None:
@@ -37,6 +38,7 @@ class Strategy:
         dist.init_process_group(launcher, backend=dist_cfg.get("backend"), timeout_s=dist_cfg.get("timeout"))
         self.device = dist.default_device()
         self.precision.to_device(self.device)
+        self.env_ready = True
         if env_cfg.get("cudnn_benchmark") and self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
 

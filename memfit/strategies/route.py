@@ -1,25 +1,28 @@
-"""Route a model's own forward through a backend's wrapper, so one ``train_step`` serves every strategy.
+"""Route a model's own calls through a backend's wrapper, so one ``train_step`` serves every strategy.
 
 DDP's reducer, DeepSpeed's engine (ZeRO-3 parameter gathering, its autocast) and colossalai's
 boosted model do their work in *their* forward, yet ``train_step`` is the user's model's method
-and calls ``self(...)``. :func:`route_forward` installs an instance ``forward`` on the model that
-calls the wrapper; the wrapper calls the model back, and that inner call runs the model's real
-forward. Lightning Fabric redirects forward methods the same way (``_FabricModule``); MMEngine
+and calls ``self(...)``. :func:`route_forward` makes ``model(...)`` call the wrapper; the wrapper
+calls the model back, and that inner call runs the model as usual: its hooks and ``forward``, once.
+The switch sits in front of ``nn.Module._call_impl`` (an instance attribute that shadows the
+class's), so the model's own hooks — the ones ZeRO-3 installs included — are not entered by the
+outer call. Lightning Fabric redirects forward methods the same way (``_FabricModule``); MMEngine
 instead writes a second ``train_step`` on each wrapper class, which is what memfit avoids.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-_ROUTE = "_memfit_route"
+_ROUTE = "_call_impl"  # the attribute nn.Module.__call__ looks up on the instance
 
 
 class _Route:
-    """The instance ``forward``: outer calls go through ``wrapper``, the wrapper's call back runs ``inner``."""
+    """The instance ``_call_impl``: outer calls go through ``wrapper``, its call back runs the model."""
 
     def __init__(self, model: nn.Module, wrapper: nn.Module, when: Callable[[], bool] | None,
                  prepare: Callable[[tuple, dict], tuple[tuple, dict]] | None) -> None:
@@ -27,14 +30,12 @@ class _Route:
         self.wrapper = wrapper
         self.when = when
         self.prepare = prepare
-        # The forward to run inside the wrapper: an instance forward installed before (activation
-        # checkpointing of the root, fp32 island) or the class's own.
-        self.inner = model.__dict__.get("forward") or type(model).forward.__get__(model)
+        self.call = types.MethodType(nn.Module._call_impl, model)  # hooks + forward, as usual
         self.inside = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.inside or (self.when is not None and not self.when()):
-            return self.inner(*args, **kwargs)
+            return self.call(*args, **kwargs)
         if self.wrapper.training != self.model.training:
             self.wrapper.train(self.model.training)
         if self.prepare is not None:
@@ -46,15 +47,9 @@ class _Route:
             self.inside = False
 
     def __deepcopy__(self, memo: dict) -> Any:
-        # A copy of the model (an EMA copy, say) runs its own forward, not through this wrapper.
-        import copy
-
-        clone = memo.get(id(self.model))
-        if clone is None or "forward" not in self.model.__dict__ or self.model.__dict__.get("forward") is not self:
-            return None
-        if getattr(self.inner, "__self__", None) is self.model:
-            return getattr(type(clone), self.inner.__func__.__name__).__get__(clone)
-        return copy.deepcopy(self.inner, memo)
+        # A copy of the model (an EMA copy, say) runs as a plain module, not through this wrapper.
+        clone = memo.get(id(self.model), self.model)
+        return types.MethodType(nn.Module._call_impl, clone)
 
 
 def route_forward(model: nn.Module, wrapper: nn.Module, when: Callable[[], bool] | None = None,
@@ -64,28 +59,16 @@ def route_forward(model: nn.Module, wrapper: nn.Module, when: Callable[[], bool]
     only with gradients enabled, so evaluation issues no collectives); ``prepare(args, kwargs)``
     transforms the inputs first (DeepSpeed's ``inputs_to_half``). Returns ``model``."""
     unroute(model)
-    route = _Route(model, wrapper, when, prepare)
-    model.forward = route
-    object.__setattr__(model, _ROUTE, route)
+    model.__dict__[_ROUTE] = _Route(model, wrapper, when, prepare)
     return model
 
 
 def unroute(model: nn.Module) -> None:
-    """Undo :func:`route_forward` (restores the forward that was there before)."""
-    route = model.__dict__.get(_ROUTE)
-    if not isinstance(route, _Route):
-        model.__dict__.pop(_ROUTE, None)
-        return
-    if "forward" in model.__dict__ and model.__dict__["forward"] is route:
-        previous = route.inner
-        if getattr(previous, "__self__", None) is model and getattr(previous, "__func__", None) is type(model).forward:
-            del model.forward
-        else:
-            model.forward = previous
-    del model.__dict__[_ROUTE]
+    """Undo :func:`route_forward`."""
+    model.__dict__.pop(_ROUTE, None)
 
 
 def routed_wrapper(model: nn.Module) -> nn.Module | None:
-    """The wrapper ``model``'s forward is routed through, if any."""
+    """The wrapper ``model``'s calls are routed through, if any."""
     route = model.__dict__.get(_ROUTE)
     return route.wrapper if isinstance(route, _Route) else None

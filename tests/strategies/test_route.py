@@ -83,6 +83,21 @@ def test_an_instance_forward_installed_before_is_kept_and_restored():
     assert wrapper.calls == 1 and net[0].weight.grad is not None
     unroute(net)
     assert net.forward is checkpointed and routed_wrapper(net) is None
+    net(torch.randn(2, 4))
+    assert wrapper.calls == 1
+
+
+def test_the_models_own_hooks_run_once_per_call():
+    """ZeRO-3 installs hooks on every module, the root included: the outer (routed) call must not run
+    them, only the wrapper's call back into the model."""
+    net = Net()
+    wrapper = Counting(net)
+    calls = []
+    net.register_forward_pre_hook(lambda m, args: calls.append("pre"))
+    net.register_forward_hook(lambda m, args, out: calls.append("post"))
+    route_forward(net, wrapper)
+    net(torch.randn(2, 4))
+    assert calls == ["pre", "post"] and wrapper.calls == 1
 
 
 def test_a_copy_runs_its_own_forward():
