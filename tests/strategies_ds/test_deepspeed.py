@@ -68,6 +68,7 @@ def test_zero_matches_single_process(equivalence, case):
     assert r["micro_batch"] == 4 and r["gas"] == int(k)  # filled from the loader and accumulative_counts
     assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) <= LOSS_TOL
     assert r["param_diff"] <= PARAM_TOL < r["param_moved"] / 100  # the weights moved, and identically
+    assert r["trace"] is (True if stage == "3" else None)  # ZeRO-3 prefetches from a complete trace
 
 
 def test_accumulation_matches_large_batch(equivalence):

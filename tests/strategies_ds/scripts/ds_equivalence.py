@@ -85,7 +85,11 @@ def run_case(case: str, work_root: str) -> dict:
     ref_losses, ref_state = reference(init, batches, k, precision == "amp")
     diff = max(float((trained[n].float() - ref_state[n].float()).abs().max()) for n in sorted(ref_state))
     moved = max(float((ref_state[n] - init[n]).abs().max()) for n in sorted(init))
-    return dict(losses=record.losses, ref_losses=ref_losses, param_diff=diff, param_moved=moved,
+    trace = None
+    if stage == 3:  # ZeRO-3's prefetch trace: recorded once, then complete (the routed forward runs its hooks once)
+        coord = engine.optimizer.parameter_offload.get_param_coordinator()
+        trace = coord.is_complete_trace()
+    return dict(losses=record.losses, ref_losses=ref_losses, param_diff=diff, param_moved=moved, trace=trace,
                 zero_stage=engine.zero_optimization_stage(), autocast=bool(engine.torch_autocast_enabled()),
                 offload_optimizer=bool(engine.zero_cpu_offload()), optimizer=type(engine.optimizer).__name__,
                 param_dtype=str(next(engine.module.parameters()).dtype),
