@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from memfit.errors import ConfigError
 from memfit.memory.checkpointing import WrappedForward, install, resolve_modules
@@ -35,7 +36,10 @@ class OffloadedForward(WrappedForward):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.orig(*args, **kwargs)
-        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+        # Pinned host buffers only for activations that live on a GPU: a pinned copy of a CPU tensor
+        # is a fresh contiguous tensor, which changes the strides (and the bits) backward computes with.
+        on_gpu = any(isinstance(t, torch.Tensor) and t.is_cuda for t in tree_leaves((args, kwargs)))
+        with torch.autograd.graph.save_on_cpu(pin_memory=on_gpu):
             return self.orig(*args, **kwargs)
 
 

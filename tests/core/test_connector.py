@@ -77,9 +77,9 @@ def test_setup_applies_techniques_and_islands_before_building_the_optimizer():
 
 def test_evaluation_runs_fp32_unless_the_loop_asks_for_half():
     model, wrapper = setup(Net(), SingleDeviceStrategy(), dict(SGD, type="AmpOptimWrapper", dtype="bfloat16"))
-    precision = wrapper.strategy.precision
+    precision, device = wrapper.strategy.precision, wrapper.strategy.device
     with torch.no_grad(), precision.eval_autocast(False):
-        model(torch.randn(1, 4))
+        model(torch.randn(1, 4, device=device))
     with torch.no_grad(), precision.eval_autocast(True):
-        model(torch.randn(1, 4))
+        model(torch.randn(1, 4, device=device))
     assert model.seen == [torch.float32, torch.bfloat16]

@@ -126,9 +126,9 @@ def test_resnet50_accuracy_snippet_with_activation_checkpointing():
     runner.train()
     assert [e for e, _ in seen] == [1, 2]  # validated after each of the 2 epochs
     # The seed's metric over the validation set equals the trained model's accuracy computed here.
-    model = runner.model.eval()
+    model, device = runner.model.eval(), runner.device
     with torch.no_grad():
-        correct = sum(int((model(x, y, 'predict')[0].argmax(1) == y).sum())
+        correct = sum(int((model(x.to(device), y.to(device), 'predict')[0].argmax(1) == y.to(device)).sum())
                       for x, y in DataLoader(valid_set, batch_size=4))
     assert seen[-1][1] == 100.0 * correct / len(valid_set)
     from memfit.memory.checkpointing import CheckpointedForward, wrapped_forward

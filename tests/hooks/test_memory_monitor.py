@@ -62,7 +62,9 @@ def test_measures_logged_iterations_through_the_runner(monkeypatch: pytest.Monke
     assert hub.latest("memory/optimizer_state_mb") == params / MB  # SGD momentum buffers
     parts = sum(hub.latest(f"memory/{c}_mb") for c in CATEGORIES)
     assert hub.latest("memory/peak_mb") == pytest.approx(parts, rel=1e-12)
-    assert hub.latest("memory/activations_mb") > 0 and hub.latest("memory/inputs_mb") > 0
+    assert hub.latest("memory/activations_mb") > 0
+    if runner.device.type == "cpu":  # on CUDA the allocator's peak files inputs under activations (documented)
+        assert hub.latest("memory/inputs_mb") > 0
 
 
 def test_a_failed_iteration_leaves_no_dispatch_mode() -> None:

@@ -34,7 +34,7 @@ def vit() -> tuple[nn.Module, torch.Tensor]:
 
 
 def loss_and_grads(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    loss = nn.functional.cross_entropy(model(x), torch.arange(x.shape[0]) % 10)
+    loss = nn.functional.cross_entropy(model(x), torch.arange(x.shape[0], device=x.device) % 10)
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
@@ -71,7 +71,7 @@ def test_saved_tensors_go_through_save_on_cpu(monkeypatch: pytest.MonkeyPatch) -
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 32))
     apply_activation_offload(model, ["2"])
     model(torch.randn(4, 8)).sum().backward()
-    assert pins == [torch.cuda.is_available()]  # pinned host buffers exactly when there is a GPU
+    assert pins == [False]  # pinned host buffers only for activations on a GPU (these are on the CPU)
     assert torch.Size([4, 16]) in packed  # the input of layer 2, saved for its weight gradient
     assert torch.Size([4, 8]) not in packed  # layer 0 is not offloaded
     with torch.no_grad():

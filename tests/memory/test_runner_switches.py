@@ -78,8 +78,9 @@ def test_fp32_islands_and_memory_monitor(caplog):
     assert "fp32 islands under autocast: head" in caplog.text
     rows = [json.loads(x) for x in next(Path("amp").glob("*/scalars.jsonl")).read_text().splitlines()]
     assert all(r["memory/peak_mb"] > 0 for r in rows)
-    with torch.autocast("cpu", torch.bfloat16):
-        out = runner.model.head(torch.randn(2, 16))
+    device = runner.device
+    with torch.autocast(device.type, torch.bfloat16):
+        out = runner.model.head(torch.randn(2, 16, device=device))
     assert out.dtype is torch.float32
 
 

@@ -26,7 +26,7 @@ class Wrapped(nn.Module):
 
 def _equal(model: nn.Module, state: dict) -> bool:
     own = model.state_dict()
-    return all(torch.equal(own[k], v) for k, v in state.items())
+    return all(torch.equal(own[k].cpu(), v.cpu()) for k, v in state.items())  # the model may be on a GPU
 
 
 def test_load_from_strict_default_reports_keys(tmp_path, kit):
