@@ -1,6 +1,10 @@
 """The ``memfit`` command: train | eval | export.
 
-Bad input ends in one line on stderr naming the cause and the fix (exit status 2), never a traceback.
+Every error ends in one line on stderr, ``memfit: error: ...``, never a traceback (``--debug``
+prints it as well). Exit status 2: the input was refused before training started (a ConfigError or
+CheckpointError: the line names the config file, key or path and the fix). Exit status 1: a failure
+while running (the line names the epoch and iteration; the traceback is in the run's log file), or
+any other error. 130: interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -8,10 +12,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
-from memfit.errors import MemfitError
+from memfit.errors import ConfigError, MemfitError, failure_summary, first_line
 
 
 def _load_cfg(args: argparse.Namespace) -> Any:
@@ -84,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override config keys, e.g. optim_wrapper.accumulative_counts=4")
         p.add_argument("--launcher", choices=["none", "pytorch", "slurm"],
                        help="how processes were started (torchrun sets 'pytorch' automatically)")
+        p.add_argument("--debug", action="store_true",
+                       help="on an error, print the full traceback too (it is always in the run's log file)")
 
     t = sub.add_parser("train", help="train a config")
     common(t)
@@ -116,12 +123,33 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
-    except MemfitError as exc:
-        print(f"memfit: error: {exc}", file=sys.stderr)
-        return 2
-    except FileNotFoundError as exc:
-        print(f"memfit: error: {exc.filename or exc}: no such file", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        print("memfit: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        code, message = _error_line(exc, getattr(args, "config", None))
+        print(f"memfit: error: {message}", file=sys.stderr)
+        return code
+
+
+def _error_line(exc: Exception, config: str | None) -> tuple[int, str]:
+    """(exit status, one line) for an error: see the module docstring for the statuses."""
+    summary = failure_summary(exc)
+    if summary is not None:  # failed while running: the runner logged it with the traceback
+        log_file = getattr(exc, "memfit_log_file", None)
+        return 1, summary + (f" (traceback in {log_file}; --debug prints it)" if log_file else "")
+    if isinstance(exc, MemfitError):
+        message = str(exc).strip()
+        if isinstance(exc, ConfigError) and config and config not in message:
+            message = f"{config}: {message}"  # built from this file: name it
+        return 2, message
+    if isinstance(exc, FileNotFoundError):
+        return 2, f"{exc.filename or exc}: no such file"
+    return 1, f"{type(exc).__name__}: {first_line(exc)} (--debug prints the traceback)"
 
 
 if __name__ == "__main__":

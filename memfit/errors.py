@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import logging
 from collections.abc import Iterable
 
 
@@ -16,6 +17,29 @@ class ConfigError(MemfitError, ValueError):
 
 class CheckpointError(MemfitError, RuntimeError):
     """A checkpoint file is missing, corrupt, unsafe or does not fit the model/config."""
+
+
+class TrainingError(MemfitError, RuntimeError):
+    """Training cannot go on (e.g. a non-finite loss); the message names the iteration and the fix."""
+
+
+def first_line(exc: BaseException, limit: int = 240) -> str:
+    """The first non-empty line of ``exc``'s message (its type name when it has none), shortened to
+    ``limit`` characters, for a one-line error that quotes another library's exception."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    text = lines[0] if lines else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def component_error(where: str, component: str, exc: BaseException) -> ConfigError:
+    """``<where>: <first line of exc> (<component>)``: an exception a constructor raised while a
+    component was built from its config (``optim_wrapper.optimizer: invalid learning rate: -1 (SGD)``).
+    The caller raises it ``from exc`` so the original stays the ``__cause__``."""
+    text = first_line(exc)
+    word = text.split(" ", 1)[0]
+    if word[:1].isupper() and word[1:].islower():  # 'Invalid learning rate' -> 'invalid ...', not 'CUDA'
+        text = text[0].lower() + text[1:]
+    return ConfigError(f"{where}: {text} ({component})")
 
 
 def nearest(name: str, candidates: Iterable[str], n: int = 3) -> list[str]:
@@ -34,3 +58,40 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
         return "did you mean " + " or ".join(repr(c) for c in close) + "?"
     shown = ", ".join(candidates[:12]) + (", ..." if len(candidates) > 12 else "")
     return f"valid names: {shown}"
+
+
+_WARNED: set[str] = set()
+
+
+def warn_ignored(option: str, reason: str) -> None:
+    """Log once per process, on the 'memfit' logger, that ``option`` has no effect and why.
+
+    For options accepted from MMEngine/FSDP1/DeepSpeed configs that memfit cannot honour: the
+    message names the option and what to use instead, so nothing is dropped silently. Repeats
+    (an object built twice, every epoch's sampler) are not logged again.
+    """
+    if option in _WARNED:
+        return
+    _WARNED.add(option)
+    logging.getLogger("memfit").warning(f"{option} has no effect in memfit: {reason}")
+
+
+def mark_failure(exc: BaseException, where: str, log_file: object = None) -> str:
+    """Record on ``exc`` where a run failed (``training failed at epoch 2, iteration 37``) and return
+    the one-line summary ``<where>: <what>``; it is also added as a note, so a traceback shows it.
+    ``log_file``: where the full traceback was written (the CLI names it)."""
+    what = str(exc).strip() if isinstance(exc, MemfitError) else f"{type(exc).__name__}: {first_line(exc)}"
+    summary = f"{where}: {what}"
+    try:
+        exc.memfit_failure = summary  # type: ignore[attr-defined]
+        exc.memfit_log_file = log_file  # type: ignore[attr-defined]
+        if hasattr(exc, "add_note"):  # Python >= 3.11: a printed traceback ends with the line
+            exc.add_note(summary)
+    except (AttributeError, TypeError):  # an exception type that takes no attributes: the log has it
+        pass
+    return summary
+
+
+def failure_summary(exc: BaseException) -> str | None:
+    """The summary :func:`mark_failure` recorded on ``exc`` (None: it did not fail inside a run)."""
+    return getattr(exc, "memfit_failure", None)

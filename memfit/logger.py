@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from memfit.dist import get_rank
+from memfit.errors import mark_failure
 
 LOGGER_NAME = "memfit"
 _FORMAT = "%(asctime)s - memfit - %(levelname)s - %(message)s"
@@ -51,6 +52,27 @@ def get_logger(log_file: str | Path | None = None, level: str | int = "INFO") ->
         fh.setFormatter(fmt)
         logger.addHandler(fh)
     return logger
+
+
+def log_failure(logger: logging.Logger, exc: BaseException, what: str, where: str = "") -> None:
+    """Log one line saying where ``what`` (training, val, test) stopped and why, on the console and
+    in the log file, and the full traceback in the log file only (the CLI prints it with ``--debug``).
+
+    The exception itself is left to propagate unchanged, with that line as a note and the log
+    file's path on it (:func:`memfit.errors.mark_failure`; the CLI reads them back). A
+    KeyboardInterrupt or SystemExit gets a warning line only.
+    """
+    where = f" {where}" if where else ""
+    if not isinstance(exc, Exception):
+        logger.warning(f"{what} interrupted{where} ({type(exc).__name__})")
+        return
+    files = [h for h in logger.handlers if getattr(h, "_memfit_file", False)]
+    log_file = files[0].baseFilename if files else None
+    logger.error(mark_failure(exc, f"{what} failed{where}", log_file))
+    record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, "traceback of the failure above:", None,
+                               (type(exc), exc, exc.__traceback__))
+    for handler in files:
+        handler.handle(record)
 
 
 class MessageHub:

@@ -14,6 +14,7 @@ import torch
 
 from memfit.checkpoint import capture_rng_state, restore_rng_state
 from memfit.dist import get_world_size
+from memfit.errors import ConfigError
 
 
 def _sampler_of(loader: Any) -> Any:
@@ -42,7 +43,7 @@ class TrainLoop:
         # The full epoch's length (len(dataloader) shrinks to what remains once a resume loads the sampler).
         self.iters_per_epoch = len(dataloader)
         if self.iters_per_epoch == 0:
-            raise ValueError("train_dataloader is empty: check the dataset and batch_size/drop_last")
+            raise ConfigError("train_dataloader has no batches: check its dataset's size, batch_size and drop_last")
         if by_epoch:
             self.max_epochs = int(max_epochs)
             self.max_iters = self.max_epochs * self.iters_per_epoch
@@ -55,6 +56,7 @@ class TrainLoop:
         self.batch_in_epoch = 0  # completed batches in the current epoch
         self._epoch_end = False
         self._iter_end = False
+        self._validating = False
 
     # -- position (checkpointed) ---------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -77,6 +79,25 @@ class TrainLoop:
     def done(self) -> bool:
         return self.iter >= self.max_iters
 
+    def position(self) -> str:
+        """Where the loop is, 1-based, for a failure message: 'at epoch 2, iteration 37' (the iteration
+        running, or whose hooks run), 'at the end of epoch 2', 'in the validation after epoch 2'."""
+        if self._validating:
+            return f"in the validation after epoch {self.epoch}" if self.by_epoch else \
+                f"in the validation after iteration {self.iter}"
+        if self._epoch_end:
+            return f"at the end of epoch {self.epoch + 1} (iteration {self.iter})"
+        if self.done:
+            return f"after its last iteration ({self.iter})"
+        if self.by_epoch:
+            return f"at epoch {self.epoch + 1}, iteration {self.iter + 1}"
+        return f"at iteration {self.iter + 1}"
+
+    def _validate(self) -> None:
+        self._validating = True  # left set if it raises: position() then names the validation
+        self.runner.val_loop.run()
+        self._validating = False
+
     # -- running -------------------------------------------------------------------------------
     def run(self) -> Any:
         runner = self.runner
@@ -85,7 +106,7 @@ class TrainLoop:
             while self.epoch < self.max_epochs:
                 self.run_epoch()
                 if self._val_due(self.epoch):
-                    runner.val_loop.run()
+                    self._validate()
         else:
             self._run_iters()
         runner.call_hook("after_train")
@@ -132,7 +153,7 @@ class TrainLoop:
                 data = _iterate(self.dataloader)
             self.run_iter(self.batch_in_epoch, next(data))
             if self._val_due(self.iter):
-                runner.val_loop.run()
+                self._validate()
                 runner.model.train()
         runner.call_hook("after_train_epoch")
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import copy
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
-from memfit.errors import ConfigError, did_you_mean
+from memfit.errors import ConfigError, MemfitError, component_error, did_you_mean
 
 
 class Registry:
@@ -64,19 +65,39 @@ class Registry:
         """Build ``cfg`` (a dict with ``type``); objects that are not dicts are returned as they are.
 
         ``defaults`` fill arguments the config does not set (e.g. ``params`` for an optimizer).
-        ``key`` names the config section in error messages.
+        ``key`` names the config section in error messages (``optim_wrapper.optimizer``). Anything
+        the constructor raises becomes one ConfigError, ``<key>: <first line> (<type name>)``, with
+        the original as ``__cause__``; a ConfigError from a nested build that names no config key
+        gets ``<key>: `` in front; other memfit errors and KeyboardInterrupt pass unchanged.
         """
         if not isinstance(cfg, dict):
             return cfg
         cfg = dict(cfg)
+        where = key or self.name
         if "type" not in cfg:
-            where = key or self.name
             raise ConfigError(f"{where}: missing 'type' (one of: {', '.join(self.names()[:10])}, ...)")
         kind = cfg.pop("type")
-        target = self.get(kind) if isinstance(kind, str) else kind
+        try:
+            target = self.get(kind) if isinstance(kind, str) else kind
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        name = getattr(target, "__name__", None) or type(target).__name__
         kwargs = {**defaults, **cfg}
-        check_kwargs(target, kwargs, key or f"{self.name} {getattr(target, '__name__', kind)}")
-        return target(**kwargs)
+        check_kwargs(target, kwargs, key or f"{self.name} {name}")
+        try:
+            return target(**kwargs)
+        except ConfigError as exc:
+            if key and not str(exc).startswith(re.split(r"[.\[ ]", key)[0]):
+                exc.args = (f"{key}: {exc}", *exc.args[1:])
+            raise
+        except MemfitError:
+            raise
+        except Exception as exc:
+            missing = _missing_arguments(target, kwargs) if isinstance(exc, TypeError) else []
+            if missing:
+                raise ConfigError(f"{where}: {name} needs {', '.join(map(repr, missing))}: add "
+                                  f"{', '.join(f'{where}.{m}=...' for m in missing)}") from exc
+            raise component_error(where, name, exc) from exc
 
 
 def check_kwargs(target: Callable, kwargs: dict[str, Any], where: str) -> None:
@@ -91,6 +112,16 @@ def check_kwargs(target: Callable, kwargs: dict[str, Any], where: str) -> None:
     for k in kwargs:
         if k not in valid:
             raise ConfigError(f"{where}: unknown key {k!r}: {did_you_mean(k, valid)}")
+
+
+def _missing_arguments(target: Callable, kwargs: dict[str, Any]) -> list[str]:
+    """The required keyword-passable parameters of ``target`` that ``kwargs`` leaves out."""
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [n for n, p in params.items() if p.kind in kinds and p.default is p.empty and n not in kwargs]
 
 
 def _import_path(path: str) -> Any:

@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from memfit import dist
-from memfit.errors import ConfigError, did_you_mean
+from memfit.errors import ConfigError, did_you_mean, warn_ignored
 from memfit.hooks.base import Hook, get_priority
-from memfit.logger import MessageHub, get_logger
+from memfit.hooks.log_options import log_options
+from memfit.logger import MessageHub, get_logger, log_failure
 from memfit.model.base import BaseModel
 from memfit.registry import HOOKS, MODELS, copy_cfg
 
@@ -32,6 +33,7 @@ DEFAULT_HOOKS: dict[str, dict] = dict(
     logger=dict(type="LoggerHook", interval=10),
     param_scheduler=dict(type="ParamSchedulerHook"),
     checkpoint=dict(type="CheckpointHook", interval=1),
+    check_invalid_loss=dict(type="CheckInvalidLossHook", interval=10, action="stop"),  # synced with the log line
 )
 
 
@@ -105,7 +107,11 @@ class Runner:
         self.timestamp = dist.broadcast_object(time.strftime("%Y%m%d_%H%M%S"))
         self.log_dir = self.work_dir / self.timestamp
         if dist.is_main_process():
-            self.log_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:  # a parent that is a file, no permission, a read-only file system
+                raise ConfigError(f"work_dir={work_dir!r}: cannot create {self.log_dir}: {exc.strerror}: "
+                                  "set work_dir (or --work-dir) to a writable folder") from None
         self.logger = get_logger(self.log_dir / f"{self.timestamp}.log" if dist.is_main_process() else None,
                                  log_level)
         self.message_hub = MessageHub()
@@ -127,7 +133,9 @@ class Runner:
         self.train_dataloader = self.val_dataloader = self.test_dataloader = None
         self._prepared = False
         self._hooks: list[Hook] = []
-        self._register_hooks(default_hooks, custom_hooks)
+        self._register_hooks(log_options(default_hooks, log_processor, visualizer, train_cfg, self.cfg), custom_hooks)
+        if default_scope is not None:  # MMEngine's registry scope, e.g. 'mmdet'
+            warn_ignored(f"default_scope={default_scope!r}", "no registry scopes; type= is a name, class or path")
         monitor = self.cfg.get("memory_monitor")
         if monitor:
             self.register_hook({"type": "MemoryMonitorHook", **(monitor if isinstance(monitor, dict) else {})},
@@ -138,14 +146,14 @@ class Runner:
     @classmethod
     def from_cfg(cls, cfg: Any) -> Runner:
         """Build a runner from a config (``Config`` or dict): top-level keys are the arguments."""
-        from memfit.config.schema import RUNNER_KEYS, TECHNIQUE_KEYS, validate_config
+        from memfit.config.schema import HELPER_KEYS, RUNNER_KEYS, TECHNIQUE_KEYS, validate_config
 
         cfg = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
         validate_config(cfg)
         if "work_dir" not in cfg:
             raise ConfigError("work_dir is not set: add work_dir='./work_dirs/NAME' or pass --work-dir")
         kwargs = {k: copy_cfg(v) for k, v in cfg.items() if k in RUNNER_KEYS and k != "cfg"}
-        kwargs["cfg"] = {**(cfg.get("cfg") or {}), **{k: cfg[k] for k in TECHNIQUE_KEYS if k in cfg}}
+        kwargs["cfg"] = {**(cfg.get("cfg") or {}), **{k: cfg[k] for k in TECHNIQUE_KEYS + HELPER_KEYS if k in cfg}}
         runner = cls(**kwargs)
         runner._cfg_to_dump = cfg
         return runner
@@ -218,6 +226,9 @@ class Runner:
                 merged.pop(name, None)
             elif isinstance(hook, dict) and name in merged and "type" not in hook:
                 merged[name] = {**merged[name], **hook}
+            elif isinstance(hook, dict) and "type" not in hook:
+                raise ConfigError(f"default_hooks.{name}: not a default hook, and no 'type' to build a new one: "
+                                  f"{did_you_mean(name, DEFAULT_HOOKS)}")
             else:
                 merged[name] = hook
         for name, hook in merged.items():
@@ -299,7 +310,8 @@ class Runner:
         loader = self._build_dataloader(loader_cfg, f"{mode}_dataloader")
         setattr(self, f"{mode}_dataloader", loader)
         fp16 = bool(getattr(loop_cfg, "fp16", False))
-        evaluator = Evaluator(evaluator_cfg, dataset_size=len(loader.dataset) if hasattr(loader, "dataset") else None)
+        evaluator = Evaluator(evaluator_cfg, dataset_size=len(loader.dataset) if hasattr(loader, "dataset") else None,
+                              key=f"{mode}_evaluator")
         return EvalLoop(self, loader, evaluator, mode=mode, fp16=fp16)
 
     # -- entry points --------------------------------------------------------------------------
@@ -315,7 +327,7 @@ class Runner:
         self.train_loop = TrainLoop(self, self.train_dataloader, by_epoch=tc.by_epoch, max_epochs=tc.max_epochs,
                                     max_iters=tc.max_iters, val_interval=tc.val_interval, val_begin=tc.val_begin)
         self.val_loop = self._build_eval_loop(self._val_dataloader_cfg, self._val_evaluator_cfg, self._val_cfg, "val")
-        if isinstance(self.model, BaseModel) and not self._prepared:
+        if isinstance(self.model, BaseModel) and not (self._prepared or getattr(self.strategy, "skip_init_weights", 0)):
             self.model.init_weights()  # init_cfg (e.g. Pretrained); load_from / resume load over it
         self._prepare(with_optimizer=True)
         self.param_schedulers = build_param_schedulers(
@@ -330,6 +342,9 @@ class Runner:
         try:
             self.train_loop.run()
             finished = True
+        except BaseException as exc:  # one line where it failed; the traceback to the log file
+            log_failure(self.logger, exc, "training", self.train_loop.position())
+            raise
         finally:
             try:  # a pending async checkpoint becomes the last one only once written
                 self.strategy.finalize_checkpoints(abort=not finished)
@@ -357,6 +372,9 @@ class Runner:
         self.call_hook("before_run")
         try:
             return loop.run()
+        except BaseException as exc:
+            log_failure(self.logger, exc, mode)
+            raise
         finally:
             self.call_hook("after_run")
 

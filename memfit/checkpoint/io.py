@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from memfit.errors import CheckpointError
+from memfit.errors import CheckpointError, first_line
 
 # Exact types (not isinstance): numpy.float64 subclasses float and a namedtuple subclasses tuple,
 # but both pickle as a global that weights_only refuses, so they must be caught before writing.
@@ -167,14 +167,28 @@ def save_checkpoint(state: dict, path: str | Path) -> None:
         raise CheckpointError(f"save_checkpoint expects a dict, got {type(state)} for {path}")
     check_plain(state)
     # atomic_path fsyncs the closed temp file before the rename.
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        torch.save(state, f)
+    try:
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            torch.save(state, f)
+    except (OSError, RuntimeError) as exc:  # a full disk is OSError, or RuntimeError from torch's zip writer
+        raise write_error(path, exc) from exc
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
     """Write a small text file with the same temp + fsync + rename protocol (pointer files)."""
-    with atomic_path(path) as tmp, open(tmp, "w") as f:
-        f.write(text)
+    try:
+        with atomic_path(path) as tmp, open(tmp, "w") as f:
+            f.write(text)
+    except OSError as exc:
+        raise write_error(path, exc) from exc
+
+
+def write_error(path: str | Path, exc: BaseException) -> CheckpointError:
+    """One line for a failed write: the file, the cause (no space, no permission) and what to do;
+    the atomic protocol left the previous file of that name, and every other checkpoint, as it was."""
+    cause = exc.strerror if isinstance(exc, OSError) and exc.strerror else first_line(exc)
+    return CheckpointError(f"cannot write {path}: {cause}: free disk space or set work_dir to another folder "
+                           "(earlier checkpoints are untouched)")
 
 
 def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict:
@@ -200,7 +214,8 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict:
     except Exception as exc:  # torch raises RuntimeError, UnpicklingError, EOFError, ... here
         raise CheckpointError(f"cannot load checkpoint {path}: {explain_load_error(exc, path)}") from exc
     if not isinstance(state, dict):
-        raise CheckpointError(f"checkpoint {path} holds a {type(state)}, expected a dict")
+        raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not a dict: not a memfit checkpoint "
+                              "or state dict; save weights with torch.save(model.state_dict(), path)")
     return state
 
 

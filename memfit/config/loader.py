@@ -96,6 +96,8 @@ class Config(dict):
         ``_base_`` cycle) is a one-line ``ConfigError`` naming the file and, where known, the line.
         """
         path = Path(path).expanduser()
+        if path.is_dir():
+            raise ConfigError(f"config file {str(path)!r} is a directory: give the .py or .yaml file in it")
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} not found")
         return cls(_load(path.resolve(), ()))

@@ -61,7 +61,11 @@ TECHNIQUE_KEYS: tuple[str, ...] = (
     "memory_monitor",
 )
 
-CONFIG_KEYS: tuple[str, ...] = RUNNER_KEYS + TECHNIQUE_KEYS
+# MMEngine config variables that other keys are built from (``visualizer = dict(vis_backends=vis_backends)``);
+# ``Runner.from_cfg`` reads ``vis_backends`` as the visualizer's when no ``visualizer`` is given.
+HELPER_KEYS: tuple[str, ...] = ("vis_backends",)
+
+CONFIG_KEYS: tuple[str, ...] = RUNNER_KEYS + TECHNIQUE_KEYS + HELPER_KEYS
 
 # The config key a section is being built for, so __post_init__'s checks name it in their errors.
 _BUILDING_KEY: contextvars.ContextVar[str | None] = contextvars.ContextVar("_BUILDING_KEY", default=None)

@@ -17,7 +17,7 @@ from PIL import Image
 from torchvision.transforms.v2.functional import pil_to_tensor
 
 from memfit.data.transforms import build_transforms, default_image_transform
-from memfit.errors import ConfigError
+from memfit.errors import ConfigError, first_line
 from memfit.registry import DATASETS
 
 
@@ -46,7 +46,8 @@ class ImageFolder(torchvision.datasets.ImageFolder):
         try:
             super().__init__(root, loader=read_image_rgb)
         except FileNotFoundError as e:  # no class folders, or no image files in them
-            raise ConfigError(f"ImageFolder: root={root!r}: {e}") from None
+            raise ConfigError(f"ImageFolder: root={root!r}: {first_line(e)} Put the images in "
+                              f"{os.path.join(root, '<class name>', '<image>')}") from None
         self.pipeline = default_image_transform() if pipeline is None else build_transforms(pipeline)
         self.metainfo = {"classes": tuple(self.classes)}
 

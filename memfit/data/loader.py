@@ -25,7 +25,7 @@ from torch.utils.data import (
 
 from memfit.data.sampler import DefaultSampler
 from memfit.data.seeded import SeededDataset
-from memfit.errors import ConfigError, did_you_mean
+from memfit.errors import ConfigError, component_error, did_you_mean
 from memfit.registry import COLLATE_FNS, DATA_SAMPLERS, DATASETS, check_kwargs
 
 # The keys of an MMEngine dataloader config that memfit reads; anything else is a typo.
@@ -89,23 +89,43 @@ def build_dataloader(
 
     dataset = DATASETS.build(cfg["dataset"], key=f"{key}.dataset")
     sampler = build_sampler(cfg.get("sampler"), dataset, seed=seed, rank=rank, world_size=world_size, key=key)
+    _check_not_empty(dataset, sampler, batch_size, bool(cfg.get("drop_last", False)), key)
     if isinstance(sampler, DefaultSampler):
         dataset = SeededDataset(dataset)
-    num_workers = int(cfg.get("num_workers", 0))
-    kwargs: dict[str, Any] = {}
-    if num_workers > 0:
-        kwargs["persistent_workers"] = bool(cfg.get("persistent_workers", False))
-        kwargs["prefetch_factor"] = cfg.get("prefetch_factor")
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        collate_fn=build_collate_fn(cfg.get("collate_fn"), key=key),
-        num_workers=num_workers,
-        pin_memory=bool(cfg.get("pin_memory", False)),
-        drop_last=bool(cfg.get("drop_last", False)),
-        **kwargs,
-    )
+    collate_fn = build_collate_fn(cfg.get("collate_fn"), key=key)
+    try:  # DataLoader's own checks (num_workers, prefetch_factor, ...) as one line naming the key
+        num_workers = int(cfg.get("num_workers", 0))
+        kwargs: dict[str, Any] = {}
+        if num_workers > 0:
+            kwargs["persistent_workers"] = bool(cfg.get("persistent_workers", False))
+            kwargs["prefetch_factor"] = cfg.get("prefetch_factor")
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            collate_fn=collate_fn,
+            num_workers=num_workers,
+            pin_memory=bool(cfg.get("pin_memory", False)),
+            drop_last=bool(cfg.get("drop_last", False)),
+            **kwargs,
+        )
+    except (TypeError, ValueError) as exc:
+        raise component_error(key, "DataLoader", exc) from exc
+
+
+def _check_not_empty(dataset: Any, sampler: Any, batch_size: int, drop_last: bool, key: str) -> None:
+    """An empty dataset, or fewer samples on this rank than one batch with ``drop_last=True``, would
+    give a loader with no batches: say so here, where the sizes are known, not at the first epoch."""
+    try:
+        n_dataset, n_rank = len(dataset), len(sampler)
+    except TypeError:  # an iterable dataset or a sampler without a length
+        return
+    if n_dataset == 0:
+        raise ConfigError(f"{key}.dataset is empty ({type(dataset).__name__} has 0 samples): "
+                          f"check its root, split or num_samples")
+    if drop_last and n_rank < batch_size:
+        raise ConfigError(f"{key}: batch_size={batch_size} with drop_last=True leaves no batch "
+                          f"({n_rank} samples on this rank): lower batch_size or set drop_last=False")
 
 
 def build_sampler(
@@ -134,7 +154,10 @@ def build_sampler(
         raise ConfigError(f"{key}.sampler: missing 'type': use e.g. dict(type='DefaultSampler')")
     if cfg.get("seed", 0) is None:
         del cfg["seed"]
-    target = DATA_SAMPLERS.get(cfg["type"]) if isinstance(cfg["type"], str) else cfg["type"]
+    try:
+        target = DATA_SAMPLERS.get(cfg["type"]) if isinstance(cfg["type"], str) else cfg["type"]
+    except ConfigError as exc:
+        raise ConfigError(f"{key}.sampler: {exc}") from None
     offered = {
         "dataset": dataset,
         "data_source": dataset,
@@ -162,7 +185,10 @@ def build_collate_fn(cfg: dict | str | Callable | None, *, key: str = "dataloade
     if "type" not in cfg:
         raise ConfigError(f"{key}.collate_fn: missing 'type': use e.g. dict(type='default_collate')")
     kind = cfg.pop("type")
-    fn = COLLATE_FNS.get(kind) if isinstance(kind, str) else kind
+    try:
+        fn = COLLATE_FNS.get(kind) if isinstance(kind, str) else kind
+    except ConfigError as exc:
+        raise ConfigError(f"{key}.collate_fn: {exc}") from None
     if cfg:
         check_kwargs(fn, cfg, f"{key}.collate_fn")
         fn = functools.partial(fn, **cfg)

@@ -23,7 +23,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from memfit.dist import get_rank, get_world_size
-from memfit.errors import CheckpointError, ConfigError
+from memfit.errors import CheckpointError, ConfigError, warn_ignored
 from memfit.registry import DATA_SAMPLERS
 
 _U64 = np.uint64
@@ -262,11 +262,19 @@ class InfiniteSampler(DefaultSampler):
     """An endless stream for iteration-based training: epoch after epoch, each freshly shuffled.
 
     The stream is the concatenation of epochs (no padding is needed since it never ends, so
-    ``round_up`` is accepted and ignored); rank ``r`` reads stream positions ``start + r + k*W``.
+    ``round_up``, which MMEngine's InfiniteSampler does not take, logs a warning); rank ``r`` reads
+    stream positions ``start + r + k*W``.
     :meth:`advance` rolls ``consumed`` over into the next epoch; :meth:`set_epoch` is a no-op, as in
     MMEngine (the epoch follows from the samples consumed). ``__len__`` is one epoch's share per rank,
     a nominal value: iteration never ends.
     """
+
+    def __init__(self, dataset: Sized, shuffle: bool = True, seed: int | None = None, round_up: bool | None = None,
+                 num_replicas: int | None = None, rank: int | None = None) -> None:
+        if round_up is not None:
+            warn_ignored("InfiniteSampler.round_up", "the stream never ends, so no last step is padded or dropped "
+                         "(round_up is DefaultSampler's option)")
+        super().__init__(dataset, shuffle, seed, True, num_replicas, rank)
 
     def set_epoch(self, epoch: int) -> None:
         return None

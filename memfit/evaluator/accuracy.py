@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from memfit.errors import ConfigError
 from memfit.evaluator.metric import BaseMetric
 from memfit.registry import METRICS
 
@@ -24,6 +25,8 @@ class Accuracy(BaseMetric):
     def __init__(self, topk: int | Sequence[int] = (1,), collect_device: str = "cpu", prefix: str | None = None):
         super().__init__(collect_device, prefix)
         self.topk = (topk,) if isinstance(topk, int) else tuple(topk)
+        if not self.topk or any(type(k) is not int or k < 1 for k in self.topk):
+            raise ConfigError(f"topk={topk!r}: use a positive int or a tuple of them, e.g. topk=(1, 5)")
 
     def process(self, data_batch: Any, data_samples: Any) -> None:
         scores, labels = _scores_and_labels(data_samples)

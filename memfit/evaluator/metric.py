@@ -52,9 +52,12 @@ class BaseMetric:
 class Evaluator:
     """Runs every metric over the batches of one validation or test epoch."""
 
-    def __init__(self, metrics: BaseMetric | dict | list, dataset_size: int | None = None) -> None:
+    def __init__(self, metrics: BaseMetric | dict | list, dataset_size: int | None = None,
+                 key: str = "val_evaluator") -> None:
         items = metrics if isinstance(metrics, list) else [metrics]
-        self.metrics = [METRICS.build(m, key="val_evaluator") for m in items]
+        # ``key`` (val_evaluator / test_evaluator) names the config entry in errors: key[i] for a list.
+        self.metrics = [METRICS.build(m, key=f"{key}[{i}]" if isinstance(metrics, list) else key)
+                        for i, m in enumerate(items)]
         # With it, the samples a distributed sampler repeats to give every rank the same number of
         # batches (global positions >= dataset_size) are dropped before the metrics see them.
         self.dataset_size = dataset_size

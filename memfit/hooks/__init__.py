@@ -2,11 +2,12 @@
 
 from memfit.hooks.base import Hook
 from memfit.hooks.checkpoint import CheckpointHook, RuntimeInfoHook
+from memfit.hooks.invalid_loss import CheckInvalidLossHook
 from memfit.hooks.logger import LoggerHook
 from memfit.hooks.memory import MemoryMonitorHook
 from memfit.hooks.param_scheduler import ParamSchedulerHook
 from memfit.hooks.sampler_seed import DistSamplerSeedHook
 from memfit.hooks.timer import IterTimerHook
 
-__all__ = ["Hook", "CheckpointHook", "RuntimeInfoHook", "LoggerHook", "ParamSchedulerHook",
+__all__ = ["Hook", "CheckInvalidLossHook", "CheckpointHook", "RuntimeInfoHook", "LoggerHook", "ParamSchedulerHook",
            "DistSamplerSeedHook", "IterTimerHook", "MemoryMonitorHook"]

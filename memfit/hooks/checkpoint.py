@@ -34,6 +34,8 @@ class CheckpointHook(Hook):
                  save_last: bool = True, save_best: str | None = None, rule: str | None = None,
                  save_begin: int = 0, save_optimizer: bool = True, save_param_scheduler: bool = True,
                  out_dir: str | None = None) -> None:
+        if type(interval) is not int or interval == 0:
+            raise ConfigError(f"interval={interval!r}: use an int >= 1, or -1 to save only the last checkpoint")
         if rule not in (None, "greater", "less"):
             raise ConfigError(f"default_hooks.checkpoint.rule={rule!r}: use 'greater' or 'less'")
         if out_dir is not None:

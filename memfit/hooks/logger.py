@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from memfit.dist import is_main_process
+from memfit.errors import ConfigError
 from memfit.hooks.base import Hook
 from memfit.registry import HOOKS
 
@@ -30,7 +31,8 @@ def peak_memory_mb(device: torch.device) -> int:
 class LoggerHook(Hook):
     """Every ``interval`` iterations: ``Epoch(train) [1][ 10/196]  lr: ...  eta: ...  time: ...``.
 
-    Scalars (smoothed over the interval) also go to ``<log_dir>/scalars.jsonl`` and, when
+    Scalars (smoothed over the last ``window_size`` iterations, default: the interval; MMEngine's
+    ``log_processor.window_size``) also go to ``<log_dir>/scalars.jsonl`` and, when
     ``tensorboard=True``, to TensorBoard in ``<log_dir>/tensorboard``. A progress bar is shown when
     stdout is a terminal (``progress_bar=None`` decides automatically).
     """
@@ -38,8 +40,11 @@ class LoggerHook(Hook):
     priority = "BELOW_NORMAL"
 
     def __init__(self, interval: int = 10, tensorboard: bool = True, progress_bar: bool | None = None,
-                 ignore_last: bool = False) -> None:
+                 ignore_last: bool = False, window_size: int | None = None) -> None:
+        if type(interval) is not int or interval < 1:
+            raise ConfigError(f"interval={interval!r}: use an int >= 1 (iterations between log lines)")
         self.interval = interval
+        self.window_size = window_size
         self.tensorboard = tensorboard
         self.progress_bar = progress_bar
         self.ignore_last = ignore_last
@@ -116,7 +121,7 @@ class LoggerHook(Hook):
                else self.every_n_train_iters(runner, self.interval))
         if not (due or (last_in_epoch and not self.ignore_last)):
             return
-        window = self.interval
+        window = self.window_size or self.interval
         scalars: dict[str, float] = {}
         lrs = runner.optim_wrapper.get_lr()["lr"] if runner.optim_wrapper is not None else []
         if lrs:

@@ -39,6 +39,10 @@ def build_optimizer(model: nn.Module, cfg: Any, paramwise_cfg: dict | None = Non
     if not isinstance(cfg, dict):
         return cfg
     cfg = dict(cfg)
+    for k, v in cfg.items():
+        if k != "type" and isinstance(v, str) and _is_number(v):
+            raise ConfigError(f"optim_wrapper.optimizer.{k}={v!r} is a string: write the number {float(v)!r} "
+                              "(YAML reads 1e-3 as text; 1.0e-3 is a number)")
     if paramwise_cfg:
         from memfit.optim.param_groups import build_param_groups
 
@@ -56,10 +60,21 @@ def build_optimizer(model: nn.Module, cfg: Any, paramwise_cfg: dict | None = Non
 
         from memfit.optim.in_backward import OptimizerInBackward
 
-        kind = cfg.pop("type", None)
-        target = OPTIMIZERS.get(kind) if isinstance(kind, str) else kind
-        return OptimizerInBackward(params, partial(target, **cfg))
+        # Each per-parameter optimizer is built through the registry: its errors name the config key.
+        return OptimizerInBackward(params, partial(_build_one, cfg))
     return OPTIMIZERS.build(cfg, key="optim_wrapper.optimizer", params=params)
+
+
+def _build_one(cfg: dict, groups: list) -> Any:
+    return OPTIMIZERS.build(cfg, key="optim_wrapper.optimizer", params=groups)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _default_wd(kind: Any) -> float | None:

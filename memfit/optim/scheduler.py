@@ -61,13 +61,21 @@ def build_param_schedulers(
         if kind is None:
             raise ConfigError(f"{key}: missing 'type' (e.g. 'LinearLR', 'CosineAnnealingLR', 'MultiStepLR')")
         name = _ALIASES.get(kind, kind) if isinstance(kind, str) else kind.__name__
-        cls = PARAM_SCHEDULERS.get(name) if isinstance(kind, str) else kind
+        try:
+            cls = PARAM_SCHEDULERS.get(name) if isinstance(kind, str) else kind
+        except ConfigError as exc:
+            raise ConfigError(f"{key}: {exc}") from None
         by_epoch = item.pop("by_epoch", by_epoch_run)
         convert = item.pop("convert_to_iter_based", False)
         begin = item.pop("begin", 0)
         total = (max_epochs if by_epoch and max_epochs else max_iters)
         end = item.pop("end", None)
+        for arg, value in (("begin", begin), ("end", end)):
+            if value is not None and (type(value) is not int or value < 0):
+                raise ConfigError(f"{key}.{arg}={value!r}: use an int >= 0 ({'epochs' if by_epoch else 'iterations'})")
         end = total if end is None or end > 10**8 else end
+        if end <= begin:
+            raise ConfigError(f"{key}: end={end} is not after begin={begin}: the scheduler would never step")
         if by_epoch and convert:
             begin, end, by_epoch = begin * iters_per_epoch, end * iters_per_epoch, False
             for arg in ("total_iters", "T_max", "step_size", "total_steps"):
@@ -81,9 +89,7 @@ def build_param_schedulers(
         params = inspect.signature(cls).parameters
         if "optimizer" not in params:
             raise ConfigError(f"{key}: {name} is not an optimizer scheduler")
-        try:
-            sched = PARAM_SCHEDULERS.build({"type": cls, **item}, key=key, optimizer=optimizer)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{key} ({name}): {exc}") from exc
+        # The registry turns the constructor's errors into ``<key>: <cause> (<name>)``.
+        sched = PARAM_SCHEDULERS.build({"type": cls, **item}, key=key, optimizer=optimizer)
         out.append(ParamScheduler(sched, begin, end, by_epoch))
     return out

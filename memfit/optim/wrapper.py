@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from memfit.errors import ConfigError
+from memfit.errors import ConfigError, warn_ignored
 from memfit.precision import Precision, amp_precision, parse_dtype
 from memfit.registry import OPTIM_WRAPPERS
 
@@ -33,6 +33,12 @@ class OptimWrapper:
     are synchronised only on the final micro-step. ``clip_grad=dict(max_norm=..., norm_type=2)``
     clips before the step; the norm is kept (as a tensor) for logging.
     """
+
+    # CheckInvalidLossHook(action='skip') sets skip_nonfinite: a micro-step whose loss is nan/inf gets
+    # no backward and its window no optimizer step; nonfinite_losses counts them.
+    skip_nonfinite = False
+    nonfinite_losses = 0
+    _window_nonfinite = False
 
     def __init__(self, optimizer: Optimizer, accumulative_counts: int = 1, clip_grad: dict | None = None) -> None:
         if not isinstance(accumulative_counts, int) or accumulative_counts < 1:
@@ -127,9 +133,15 @@ class OptimWrapper:
         factor = self.loss_factor()
         if factor > 1:
             loss = loss / factor
-        self.backward(loss)
+        if self.skip_nonfinite and not bool(torch.isfinite(loss.detach()).all()):  # a host sync, opt-in
+            self.nonfinite_losses += 1
+            self._window_nonfinite = True  # no backward; the window's optimizer step is skipped
+        else:
+            self.backward(loss)
         if self.should_update():
-            self.step(**(step_kwargs or {}))
+            if not self._window_nonfinite:
+                self.step(**(step_kwargs or {}))
+            self._window_nonfinite = False
             self.zero_grad(**(zero_kwargs or {}))
         self.inner_count += 1
 
@@ -199,9 +211,12 @@ class AmpOptimWrapper(OptimWrapper):
         fp32_modules: list[str] | None = None,
         accumulative_counts: int = 1,
         clip_grad: dict | None = None,
-        use_fsdp: bool = False,  # accepted for MMEngine configs; the strategy decides
+        use_fsdp: bool = False,  # MMEngine's switch to its sharded grad scaler; here the strategy decides
     ) -> None:
         super().__init__(optimizer, accumulative_counts, clip_grad)
+        if use_fsdp:
+            warn_ignored("optim_wrapper.use_fsdp", "the strategy decides FSDP (strategy='fsdp' or "
+                         "dict(type='FSDPStrategy')); the loss scaling follows the strategy")
         self.dtype = parse_dtype(dtype, "optim_wrapper.dtype")
         self.loss_scale = loss_scale
         self.fp32_modules = list(fp32_modules or [])

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from memfit import dist
 from memfit.errors import ConfigError
-from memfit.registry import STRATEGIES
+from memfit.registry import STRATEGIES, check_kwargs
 from memfit.strategies.base import Strategy
 from memfit.strategies.route import route_forward
 
@@ -70,6 +70,8 @@ class DDPStrategy(Strategy):
             DistributedDataParallel).parameters else "broadcast_buffers"
         self.ddp_kwargs = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
                                **{sync_key: broadcast_buffers}, **ddp_kwargs)
+        # Checked here, where the config is read, not when the model is wrapped.
+        check_kwargs(DistributedDataParallel, {"module": None, **self.ddp_kwargs}, "DDPStrategy")
         self.zero = bool(zero)
         self.ddp: DistributedDataParallel | None = None
 

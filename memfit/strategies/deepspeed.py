@@ -35,7 +35,7 @@ from torch import nn
 from memfit import dist
 from memfit.checkpoint.deepspeed import ENGINE_TAG, is_deepspeed_checkpoint, weights_only_loads
 from memfit.checkpoint.directory import StateRef, read_extras, save_directory, split_state
-from memfit.errors import CheckpointError, ConfigError
+from memfit.errors import CheckpointError, ConfigError, warn_ignored
 from memfit.precision import APEX_OPT_LEVELS, AutocastPrecision, HalfPrecision, Precision, dtype_name, parse_dtype
 from memfit.registry import STRATEGIES
 from memfit.strategies.base import Strategy
@@ -98,6 +98,9 @@ class DeepSpeedStrategy(Strategy):
                      gradient_accumulation_steps=gradient_accumulation_steps, **kwargs)
         self.ds_config: dict[str, Any] = {**base, **{k: v for k, v in given.items() if v is not None}}
         self.ds_config.setdefault("steps_per_print", steps_per_print)
+        if self.ds_config.get("activation_checkpointing"):  # passed on, but deepspeed.initialize applies none
+            warn_ignored("DeepSpeedStrategy.activation_checkpointing", "DeepSpeed checkpoints only code that calls "
+                         "deepspeed.checkpointing.checkpoint itself; use cfg=dict(activation_checkpointing=[...])")
         self.inputs_to_half = list(inputs_to_half) if inputs_to_half is not None else None
         self.exclude_frozen_parameters = exclude_frozen_parameters
         self.bn_fp32 = bn_fp32

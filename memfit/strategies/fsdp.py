@@ -39,14 +39,13 @@ from memfit.errors import ConfigError, did_you_mean
 from memfit.precision import HalfPrecision, Precision, parse_dtype
 from memfit.registry import STRATEGIES
 from memfit.strategies.base import Strategy
+from memfit.strategies.fsdp_compat import state_dict_type_from, warn_device_id, warn_fsdp1_only
 
 # FSDP1 constructor arguments accepted in ``model_wrapper`` / ``model_wrapper_cfg`` (MMEngine's
-# MMFullyShardedDataParallel). Ones with no FSDP2 meaning are accepted and ignored (listed below).
+# MMFullyShardedDataParallel). Ones FSDP2 has no switch for warn unless set as FSDP2 behaves (fsdp_compat).
 _WRAPPER_KEYS = ("type", "auto_wrap_policy", "cpu_offload", "mixed_precision", "sharding_strategy",
                  "use_orig_params", "sync_module_states", "device_id", "limit_all_gathers",
                  "forward_prefetch", "backward_prefetch", "param_init_fn", "reshard_after_forward")
-_IGNORED_WRAPPER_KEYS = ("type", "use_orig_params", "device_id", "limit_all_gathers", "forward_prefetch",
-                         "backward_prefetch", "param_init_fn")
 
 
 @STRATEGIES.register()
@@ -59,7 +58,9 @@ class FSDPStrategy(Strategy):
     reduce_dtype='float32')`` computes in the parameter dtype and reduces gradients in the reduce
     dtype. ``state_dict_type='sharded'`` saves DCP directories; ``'full'`` gathers everything into
     one file on rank 0. ``activation_checkpointing`` (names/types, as ``cfg.activation_checkpointing``)
-    is applied before sharding. ``model_wrapper`` takes the seeds' FSDP1 arguments.
+    is applied before sharding. ``model_wrapper`` takes the seeds' FSDP1 arguments (see fsdp_compat).
+    ``skip_init_weights=True``: the runner skips ``model.init_weights()`` (``init_cfg``), for weights
+    that ``load_from`` brings anyway.
 
     ``async_save=True`` writes sharded checkpoints with ``torch.distributed.checkpoint.async_save``:
     the shards are copied to CPU memory and written by a background thread (over a dedicated gloo
@@ -98,11 +99,11 @@ class FSDPStrategy(Strategy):
         self.cpu_offload = _offload_flag(wrapper.get("cpu_offload", cpu_offload))
         self.mixed_precision = _mp_policy(wrapper.get("mixed_precision", mixed_precision))
         self.sync_module_states = bool(wrapper.get("sync_module_states", sync_module_states))
-        if isinstance(state_dict_cfg, str):  # MMEngine: 'local' (sharded) or 'full'
-            state_dict_type = "full" if state_dict_cfg == "full" else "sharded"
-        elif isinstance(state_dict_cfg, dict):
-            kind = str(state_dict_cfg.get("state_dict_type", "")).lower()
-            state_dict_type = "full" if "full" in kind else "sharded"
+        self.device_id = wrapper.get("device_id")  # compared with the device memfit picks, in wrap()
+        warn_fsdp1_only(wrapper)
+        self.skip_init_weights = bool(skip_init_weights)  # the runner then skips model.init_weights()
+        if state_dict_cfg is not None:
+            state_dict_type = state_dict_type_from(state_dict_cfg)
         if state_dict_type not in ("sharded", "full"):
             raise ConfigError(f"FSDPStrategy.state_dict_type={state_dict_type!r}: use 'sharded' or 'full'")
         self.state_dict_type = state_dict_type
@@ -143,6 +144,7 @@ class FSDPStrategy(Strategy):
             from memfit.memory.checkpointing import apply_activation_checkpointing
 
             apply_activation_checkpointing(model, self.activation_checkpointing)
+        warn_device_id(self.device_id, self.device)
         if self.sync_module_states and dist.get_world_size() > 1:
             _broadcast_module_states(model)
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))

@@ -45,7 +45,9 @@ def test_seed_runner_arguments_validate():
 
 
 def test_key_lists_are_disjoint_and_complete():
-    assert len(set(CONFIG_KEYS)) == len(CONFIG_KEYS) == len(RUNNER_KEYS) + len(TECHNIQUE_KEYS)
+    from memfit.config.schema import HELPER_KEYS
+
+    assert len(set(CONFIG_KEYS)) == len(CONFIG_KEYS) == len(RUNNER_KEYS) + len(TECHNIQUE_KEYS) + len(HELPER_KEYS)
     validate_config({k: None for k in CONFIG_KEYS})
     validate_config({"_helper": 1, "_base_": "x.py"})  # helpers are allowed
 

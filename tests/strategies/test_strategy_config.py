@@ -66,6 +66,51 @@ def test_fsdp1_arguments_are_mapped():
         FSDPStrategy(state_dict_type="local_dict")
 
 
+def test_fsdp1_options_without_an_fsdp2_switch_warn_once(caplog, monkeypatch):
+    from torch.distributed.fsdp import BackwardPrefetch
+
+    from memfit import errors
+    from memfit.strategies.fsdp_compat import warn_device_id
+
+    monkeypatch.setattr(errors, "_WARNED", set())
+    warnings = lambda: sorted({id(r): r.getMessage() for r in caplog.records if r.levelname == "WARNING"}.values())
+    # Set as FSDP2 always behaves (FSDP1's defaults, the seeds' use_orig_params=True): silent.
+    strategy_from_model_wrapper(dict(type="MMFullyShardedDataParallel", use_orig_params=True, limit_all_gathers=True,
+                                     forward_prefetch=False, backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+                                     sync_module_states=True))
+    warn_device_id(0, torch.device("cuda", 0))
+    warn_device_id("cuda", torch.device("cuda", 3))
+    assert warnings() == []
+    other = dict(use_orig_params=False, limit_all_gathers=False, forward_prefetch=True,
+                 backward_prefetch=BackwardPrefetch.BACKWARD_POST, param_init_fn=lambda m: m.to_empty(device="cpu"))
+    for _ in range(2):
+        FSDPStrategy(model_wrapper=other)
+        warn_device_id(1, torch.device("cpu"))
+    got = warnings()
+    for option in ("use_orig_params=False", "limit_all_gathers=False", "forward_prefetch=True",
+                   "backward_prefetch=BACKWARD_POST", "param_init_fn", "device_id=1"):
+        assert len([m for m in got if m.startswith(f"FSDPStrategy.model_wrapper.{option} has no effect")]) == 1
+    assert len(got) == 6
+
+
+def test_state_dict_cfg_mmengine_values_and_one_line_errors():
+    from torch.distributed.fsdp import StateDictType
+
+    assert FSDPStrategy(state_dict_cfg="local").state_dict_type == "sharded"
+    assert FSDPStrategy(state_dict_cfg="full").state_dict_type == "full"
+    full = dict(state_dict_type="FULL_STATE_DICT", state_dict_config=dict(type="FullStateDictConfig",
+                                                                        offload_to_cpu=True, rank0_only=True))
+    assert FSDPStrategy(state_dict_cfg=full).state_dict_type == "full"
+    local = dict(state_dict_type=StateDictType.LOCAL_STATE_DICT)  # FSDP1's enum
+    assert FSDPStrategy(state_dict_cfg=local).state_dict_type == "sharded"
+    for bad, match in (("ful", r"state_dict_cfg='ful': use 'local' \(sharded\), 'full'.*did you mean 'full'"),
+                       (dict(state_dict_type="FULL"), r"state_dict_cfg.state_dict_type='FULL': use 'local'"),
+                       (dict(state_dict_typ="full"), r"state_dict_cfg: unknown key 'state_dict_typ'")):
+        with pytest.raises(ConfigError, match=match) as e:
+            FSDPStrategy(state_dict_cfg=bad)
+        assert "\n" not in str(e.value)
+
+
 def test_unit_selection():
     net = Net()
     # Default: repeated classes holding parameters, outermost (Linear head repeats Block's Linear).
