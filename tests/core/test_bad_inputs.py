@@ -397,7 +397,7 @@ def test_non_finite_loss_checked_every_few_iterations_still_names_it_and_saves_n
 
 def test_non_finite_loss_skip_counts_and_trains_on(caplog):
     cfg = config(model=dict(type=Tiny, bad_at=3), train_cfg=dict(by_epoch=True, max_epochs=2),
-                 default_hooks=hooks(check_invalid_loss=dict(action="skip")))
+                 default_hooks=hooks(check_invalid_loss=dict(action="skip", interval=1)))
     runner = Runner.from_cfg(cfg)
     runner.train()
     assert runner.optim_wrapper.nonfinite_losses == 1

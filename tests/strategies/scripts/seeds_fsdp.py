@@ -125,19 +125,20 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 plain.load_state_dict(get_model_state_dict(runner.model, options=StateDictOptions(full_state_dict=True)))
 plain.eval()
-# Evaluate in the batches the ranks saw (rank r: positions r, r+2, ... of 8, position 7 wrapping to
-# sample 0 as padding), so the logits are bit-identical to the ranks' and no near-tie can flip.
+# Each rank evaluates, in the batches it saw (rank r: positions r, r+2, ... of 8, position 7 wrapping
+# to sample 0 as padding), with its own BatchNorm statistics (FSDP does not synchronise buffers: each
+# rank's running stats saw its own batches), so the logits are bit-identical to the rank's and no
+# near-tie can flip; the counts are summed over the ranks.
 correct = 0
 with torch.no_grad():
-    for rank in range(2):
-        positions = list(range(rank, 8, 2))
-        for batch in (positions[:2], positions[2:]):
-            idx = [p % len(valid_set) for p in batch]
-            imgs = torch.stack([valid_set[i][0] for i in idx])
-            labels = torch.tensor([valid_set[i][1] for i in idx])
-            hits = plain(imgs, labels, 'predict')[0].argmax(1) == labels
-            correct += sum(int(h) for p, h in zip(batch, hits) if p < len(valid_set))
-expected = 100.0 * correct / len(valid_set)
+    positions = list(range(dist.get_rank(), 8, 2))
+    for batch in (positions[:2], positions[2:]):
+        idx = [p % len(valid_set) for p in batch]
+        imgs = torch.stack([valid_set[i][0] for i in idx])
+        labels = torch.tensor([valid_set[i][1] for i in idx])
+        hits = plain(imgs, labels, 'predict')[0].argmax(1) == labels
+        correct += sum(int(h) for p, h in zip(batch, hits) if p < len(valid_set))
+expected = 100.0 * sum(dist.all_gather_object(correct)) / len(valid_set)
 fsdp = dict(units=runner.strategy.units, accuracy=float(metrics['accuracy']), size=int(metrics['size']),
             expected_accuracy=expected, precision=runner.optim_wrapper.precision.name)
 
