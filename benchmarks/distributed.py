@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
+from models import Block
 from torch import nn
 
 from memfit import dist
@@ -22,15 +22,6 @@ from memfit.connector import setup
 from memfit.memory.measure import MB, MemoryTracker
 from memfit.model import BaseModel
 from memfit.strategies import DDPStrategy, FSDPStrategy
-
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(x)))
 
 
 class Net(BaseModel):

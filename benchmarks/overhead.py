@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from models import Block
 from torch import nn
 
 from memfit import dist
@@ -56,15 +56,6 @@ from memfit.strategies import SingleDeviceStrategy
 RESULTS = Path(__file__).parent / "results"
 PATHS = ("plain", "memfit train_step", "memfit Runner")
 OPTIM = dict(optimizer=dict(type="AdamW", lr=1e-3))
-
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(x)))
 
 
 class Net(BaseModel):
