@@ -15,7 +15,7 @@ import torch
 
 from memfit import dist
 from memfit._version import __version__
-from memfit.errors import CheckpointError, ConfigError, did_you_mean
+from memfit.errors import CheckpointError, ConfigError, did_you_mean, first_line
 
 logger = logging.getLogger("memfit")
 
@@ -172,7 +172,7 @@ def _restore_optimization(runner: Any, model: torch.nn.Module, wrapper: Any, sta
         try:
             runner.strategy.load_optim_state_dict(runner.model, wrapper, state["optim_wrapper"])
         except (ValueError, KeyError, RuntimeError) as exc:
-            raise CheckpointError(f"{path}: optimizer state does not fit: {_first_line(exc)}") from None
+            raise CheckpointError(f"{path}: optimizer state does not fit: {first_line(exc)}") from None
     if "param_schedulers" not in state:
         if runner.param_schedulers:
             runner.logger.warning(f"{path}: holds no scheduler state (saved with save_param_scheduler=False): "
@@ -196,7 +196,3 @@ def _restore_optimization(runner: Any, model: torch.nn.Module, wrapper: Any, sta
             if name in own:
                 p.grad = own[name].to(p.device, p.dtype)
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

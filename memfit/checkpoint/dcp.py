@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from memfit.checkpoint.io import explain_load_error, refusal
-from memfit.errors import CheckpointError
+from memfit.errors import CheckpointError, first_line
 
 METADATA_FILE = ".metadata"
 
@@ -200,8 +200,7 @@ def load_dcp_into(path: Path, key: str, target: dict) -> None:
     except BaseException as exc:  # DCP wraps rank failures in CheckpointException (a BaseException)
         if isinstance(exc, KeyboardInterrupt):
             raise
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{path}: cannot load {key!r} from the sharded checkpoint: {first}") from exc
+        raise CheckpointError(f"{path}: cannot load {key!r} from the sharded checkpoint: {first_line(exc)}") from exc
     if box[key] is not target:  # non-tensor leaves are replaced in the box, not in place
         target.update(box[key])
 

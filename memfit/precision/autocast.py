@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from memfit.errors import ConfigError
-from memfit.precision.base import Precision, dtype_name
+from memfit.precision.base import Precision, cpu_has_native_bf16, default_amp_dtype, dtype_name
 
 logger = logging.getLogger("memfit")
 
@@ -23,8 +23,6 @@ def amp_precision(dtype: torch.dtype | None, device_type: str, loss_scale: str |
                   fp32_modules: list[str] | None = None) -> Precision:
     """What ``AmpOptimWrapper`` gets: autocast in ``dtype`` (None: the device's default, which on a
     CPU without native bf16 is fp32 itself); an explicit bf16 on such a CPU is honoured with a warning."""
-    from memfit.precision.base import cpu_has_native_bf16, default_amp_dtype
-
     _check_loss_scale(loss_scale)
     if dtype is None:
         dtype = default_amp_dtype(device_type)

@@ -113,12 +113,16 @@ class Strategy:
                        **kwargs: Any) -> torch.Tensor | None:
         """Unscale, clip (returns the norm, a tensor), step. Called once per accumulation window."""
         self.precision.unscale(optimizer)
-        norm = None
-        if clip_grad:
-            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            norm = self.clip_grad_norm(params, **clip_grad)
+        norm = self.clip(optimizer, clip_grad)
         self.precision.step(optimizer, **kwargs)
         return norm
+
+    def clip(self, optimizer: torch.optim.Optimizer, clip_grad: dict | None) -> torch.Tensor | None:
+        """Clip the gradients of ``optimizer``'s parameters by ``clip_grad``; the norm, or None."""
+        if not clip_grad:
+            return None
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        return self.clip_grad_norm(params, **clip_grad)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
         optimizer.zero_grad(**kwargs)

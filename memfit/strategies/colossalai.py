@@ -156,10 +156,7 @@ class ColossalAIStrategy(Strategy):
     def optimizer_step(self, optimizer: Any, clip_grad: dict | None = None, **kwargs: Any) -> torch.Tensor | None:
         if not self.sharded:  # the DDP plugin's boosted optimizer is the torch one behind a thin wrapper
             return super().optimizer_step(optimizer, clip_grad, **kwargs)
-        norm = None
-        if clip_grad:
-            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            norm = self.clip_grad_norm(params, **clip_grad)
+        norm = self.clip(optimizer, clip_grad)
         self._boosted[1].step(**kwargs)
         return norm
 
