@@ -100,3 +100,32 @@ def reference_run(model: Any, batches: list, k: int, amp: bool, lr: float) -> tu
             opt.step()
             opt.zero_grad()
     return losses, model.state_dict()
+
+
+def regression_model() -> Any:
+    """A seeded ``Linear(4, 1)`` BaseModel whose loss is the squared error (runner and hook tests)."""
+    import torch
+    from torch import nn
+
+    from memfit.model import BaseModel
+
+    class Regression(BaseModel):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.fc = nn.Linear(4, 1)
+
+        def forward(self, x: Any, y: Any, mode: str = "tensor") -> Any:
+            out = self.fc(x)
+            return {"loss": (out - y).pow(2)} if mode == "loss" else (out, y)
+
+    return Regression()
+
+
+def regression_data(n: int = 32) -> list:
+    """``n`` samples ``(x, x.sum())`` for :func:`regression_model`, the same in every process."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 4, generator=g)
+    return [(x[i], x[i].sum(0, keepdim=True)) for i in range(n)]

@@ -5,40 +5,20 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn as nn
 
 from memfit.errors import ConfigError
 from memfit.hooks import Hook
-from memfit.model import BaseModel
 from memfit.runner import Runner
-
-
-class Regression(BaseModel):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.Linear(4, 1)
-
-    def forward(self, x, y, mode="tensor"):
-        out = self.fc(x)
-        if mode == "loss":
-            return {"loss": (out - y).pow(2)}
-        return out, y
-
-
-def _data(n=32):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 4, generator=g)
-    return [(x[i], x[i].sum(0, keepdim=True)) for i in range(n)]
+from memfit.testing import regression_data, regression_model
 
 
 def _loader(bs, n=32):
-    return dict(batch_size=bs, dataset=_data(n), sampler=dict(type="DefaultSampler", shuffle=False))
+    return dict(batch_size=bs, dataset=regression_data(n), sampler=dict(type="DefaultSampler", shuffle=False))
 
 
 def _runner(work_dir, **kw):
     base = dict(
-        model=Regression(),
+        model=regression_model(),
         work_dir=str(work_dir),
         train_dataloader=_loader(8),
         train_cfg=dict(by_epoch=True, max_epochs=2),

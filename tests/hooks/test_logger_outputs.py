@@ -7,30 +7,15 @@ import json
 
 import pytest
 import torch
-import torch.nn as nn
 
 from memfit.errors import ConfigError
-from memfit.model import BaseModel
 from memfit.runner import Runner
-
-
-class Regression(BaseModel):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.Linear(4, 1)
-
-    def forward(self, x, y, mode="tensor"):
-        out = self.fc(x)
-        return {"loss": (out - y).pow(2)} if mode == "loss" else (out, y)
+from memfit.testing import regression_data, regression_model
 
 
 def _runner(work_dir, batch_size=4, **kw):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(32, 4, generator=g)
-    data = [(x[i], x[i].sum(0, keepdim=True)) for i in range(32)]
-    base = dict(model=Regression(), work_dir=str(work_dir), randomness=dict(seed=0),
-                train_dataloader=dict(batch_size=batch_size, dataset=data,
+    base = dict(model=regression_model(), work_dir=str(work_dir), randomness=dict(seed=0),
+                train_dataloader=dict(batch_size=batch_size, dataset=regression_data(),
                                       sampler=dict(type="DefaultSampler", shuffle=False)),
                 train_cfg=dict(by_epoch=True, max_epochs=2), optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.05)),
                 default_hooks=dict(checkpoint=None, logger=dict(interval=2)))
