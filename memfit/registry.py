@@ -44,8 +44,9 @@ class Registry:
                 self._table.setdefault(key, value)
         return self._table
 
-    def get(self, name: str) -> Any:
-        """Look ``name`` up; an unknown name raises ConfigError listing the nearest names."""
+    def get(self, name: str, key: str | None = None) -> Any:
+        """Look ``name`` up; an unknown name raises ConfigError listing the nearest names (prefixed
+        with ``key``, the config entry it came from, when given)."""
         table = self._names()
         if name in table:
             return table[name]
@@ -53,7 +54,8 @@ class Registry:
             obj = _import_path(name)
             if obj is not None:
                 return obj
-        raise ConfigError(f"unknown {self.name} type {name!r}: {did_you_mean(name, table)}")
+        where = f"{key}: " if key else ""
+        raise ConfigError(f"{where}unknown {self.name} type {name!r}: {did_you_mean(name, table)}")
 
     def __contains__(self, name: str) -> bool:
         return name in self._names()
@@ -77,10 +79,7 @@ class Registry:
         if "type" not in cfg:
             raise ConfigError(f"{where}: missing 'type' (one of: {', '.join(self.names()[:10])}, ...)")
         kind = cfg.pop("type")
-        try:
-            target = self.get(kind) if isinstance(kind, str) else kind
-        except ConfigError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
+        target = self.get(kind, where) if isinstance(kind, str) else kind
         name = getattr(target, "__name__", None) or type(target).__name__
         kwargs = {**defaults, **cfg}
         check_kwargs(target, kwargs, key or f"{self.name} {name}")

@@ -154,10 +154,7 @@ def build_sampler(
         raise ConfigError(f"{key}.sampler: missing 'type': use e.g. dict(type='DefaultSampler')")
     if cfg.get("seed", 0) is None:
         del cfg["seed"]
-    try:
-        target = DATA_SAMPLERS.get(cfg["type"]) if isinstance(cfg["type"], str) else cfg["type"]
-    except ConfigError as exc:
-        raise ConfigError(f"{key}.sampler: {exc}") from None
+    target = DATA_SAMPLERS.get(cfg["type"], f"{key}.sampler") if isinstance(cfg["type"], str) else cfg["type"]
     offered = {
         "dataset": dataset,
         "data_source": dataset,
@@ -185,10 +182,7 @@ def build_collate_fn(cfg: dict | str | Callable | None, *, key: str = "dataloade
     if "type" not in cfg:
         raise ConfigError(f"{key}.collate_fn: missing 'type': use e.g. dict(type='default_collate')")
     kind = cfg.pop("type")
-    try:
-        fn = COLLATE_FNS.get(kind) if isinstance(kind, str) else kind
-    except ConfigError as exc:
-        raise ConfigError(f"{key}.collate_fn: {exc}") from None
+    fn = COLLATE_FNS.get(kind, f"{key}.collate_fn") if isinstance(kind, str) else kind
     if cfg:
         check_kwargs(fn, cfg, f"{key}.collate_fn")
         fn = functools.partial(fn, **cfg)

@@ -61,10 +61,7 @@ def build_param_schedulers(
         if kind is None:
             raise ConfigError(f"{key}: missing 'type' (e.g. 'LinearLR', 'CosineAnnealingLR', 'MultiStepLR')")
         name = _ALIASES.get(kind, kind) if isinstance(kind, str) else kind.__name__
-        try:
-            cls = PARAM_SCHEDULERS.get(name) if isinstance(kind, str) else kind
-        except ConfigError as exc:
-            raise ConfigError(f"{key}: {exc}") from None
+        cls = PARAM_SCHEDULERS.get(name, key) if isinstance(kind, str) else kind
         by_epoch = item.pop("by_epoch", by_epoch_run)
         convert = item.pop("convert_to_iter_based", False)
         begin = item.pop("begin", 0)
