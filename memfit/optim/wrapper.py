@@ -53,7 +53,11 @@ class OptimWrapper:
         self.accumulative_counts = accumulative_counts
         self.clip_grad = {k: v for k, v in (clip_grad or {}).items() if k != "type"} or None
         self._strategy: Any = None
-        self.inner_count = 0  # micro-steps taken in the current counting span (epoch or run)
+        # MMEngine's pseudo group: with several param groups the schedulers also schedule the
+        # optimizer's defaults, which get_lr() reports as ``base_lr``.
+        self.base_param_settings: dict | None = (
+            {"params": [], **optimizer.defaults} if len(optimizer.param_groups) > 1 else None)
+        self.inner_count = 0  # micro-steps backpropagated in the current counting span (epoch or run)
         self.max_counts = -1  # length of that span; -1 = unbounded
         self.grad_norm: torch.Tensor | None = None
         self._bn_warned = False
@@ -102,12 +106,14 @@ class OptimWrapper:
             )
 
     def should_update(self) -> bool:
-        """True when the micro-step being run closes a window (or the span)."""
-        k = self.accumulative_counts
-        return (self.inner_count + 1) % k == 0 or self.inner_count + 1 == self.max_counts
+        """After ``backward``: True when the micro-step just counted closes a window (or the span).
+        MMEngine's manual loop: ``backward(loss); if should_update(): step(); zero_grad()``."""
+        return self.inner_count % self.accumulative_counts == 0 or self.inner_count == self.max_counts
 
     def should_sync(self) -> bool:
-        return self.should_update()
+        """Before ``backward``: True when the coming micro-step closes a window (gradients synchronise)."""
+        k = self.accumulative_counts
+        return (self.inner_count + 1) % k == 0 or self.inner_count + 1 == self.max_counts
 
     def loss_factor(self) -> int:
         """k, or the size of the span's last, incomplete window when inside it."""
@@ -118,10 +124,16 @@ class OptimWrapper:
                 return tail
         return k
 
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss divided by the window's size (MMEngine's ``scale_loss``)."""
+        factor = self.loss_factor()
+        return loss / factor if factor > 1 else loss
+
     # -- the step ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def optim_context(self, model: nn.Module):
-        """The precision's autocast, and no gradient sync on non-final micro-steps."""
+        """The precision's autocast, and no gradient sync on non-final micro-steps (also for a plain
+        ``DistributedDataParallel`` model: its ``no_sync``, as MMEngine's)."""
         strategy = self.strategy
         with strategy.no_sync(model, self.should_sync()), strategy.autocast():
             yield
@@ -130,12 +142,11 @@ class OptimWrapper:
         self, loss: torch.Tensor, step_kwargs: dict | None = None, zero_kwargs: dict | None = None
     ) -> None:
         """Backward the loss (divided by the window size); step and zero gradients when the window closes."""
-        factor = self.loss_factor()
-        if factor > 1:
-            loss = loss / factor
+        loss = self.scale_loss(loss)
         if self.skip_nonfinite and not bool(torch.isfinite(loss.detach()).all()):  # a host sync, opt-in
             self.nonfinite_losses += 1
             self._window_nonfinite = True  # no backward; the window's optimizer step is skipped
+            self.inner_count += 1
         else:
             self.backward(loss)
         if self.should_update():
@@ -143,10 +154,11 @@ class OptimWrapper:
                 self.step(**(step_kwargs or {}))
             self._window_nonfinite = False
             self.zero_grad(**(zero_kwargs or {}))
-        self.inner_count += 1
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Backpropagate through the strategy and count the micro-step (as MMEngine's ``backward``)."""
         self.strategy.backward(loss, **kwargs)
+        self.inner_count += 1
 
     def step(self, **kwargs: Any) -> None:
         norm = self.strategy.optimizer_step(self.optimizer, self.clip_grad, **kwargs)
@@ -159,15 +171,26 @@ class OptimWrapper:
     # -- introspection and state -------------------------------------------------------------
     @property
     def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
+        """The optimizer's groups, plus MMEngine's ``base_param_settings`` pseudo group when there are
+        several: what the param schedulers change."""
+        groups = self.optimizer.param_groups
+        return groups + [self.base_param_settings] if self.base_param_settings is not None else groups
+
+    @property
+    def defaults(self) -> dict:
+        return self.optimizer.defaults
 
     def get_lr(self) -> dict[str, list[float]]:
-        return {"lr": [g["lr"] for g in self.optimizer.param_groups]}
+        """``{'lr': [one per param group]}``, and ``'base_lr'`` (the scheduled default) with several groups."""
+        out = {"base_lr": [self.base_param_settings["lr"]]} if self.base_param_settings is not None else {}
+        out["lr"] = [g["lr"] for g in self.optimizer.param_groups]
+        return out
 
     def get_momentum(self) -> dict[str, list[float]]:
+        """``{'momentum': [one per param group]}``: SGD's momentum, Adam's beta1, else 0."""
         out = []
         for g in self.optimizer.param_groups:
-            out.append(g["betas"][0] if "betas" in g else g.get("momentum", 0.0))
+            out.append(g["momentum"] if "momentum" in g else g["betas"][0] if "betas" in g else 0.0)
         return {"momentum": out}
 
     def log_scalars(self) -> dict[str, Any]:
@@ -176,19 +199,48 @@ class OptimWrapper:
         out.update(self.strategy.log_scalars())
         return out
 
-    def state_dict(self, with_optimizer: bool = True) -> dict:
-        """The optimizer, the counting position and the precision's state (a GradScaler's).
-        ``with_optimizer=False``: not the optimizer (a backend that writes its shards itself)."""
+    def state_dict(self) -> dict:
+        """MMEngine's shape: the optimizer's own state dict, with ``base_param_settings`` (several
+        groups) and ``loss_scaler`` (fp16) added. The accumulation position is not in it: the
+        checkpoint keeps it apart (:meth:`checkpoint_state`)."""
+        state = self.optimizer.state_dict()
+        if self.base_param_settings is not None:
+            state["base_param_settings"] = _plain_group(self.base_param_settings)
+        if "loss_scaler" in (extra := self.precision.state_dict()):
+            state["loss_scaler"] = extra["loss_scaler"]
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load a state from :meth:`state_dict` or a plain ``optimizer.state_dict()`` (or memfit's
+        checkpoint form, see :meth:`checkpoint_state`)."""
+        if "param_groups" not in state:
+            return self.load_checkpoint_state(state)
+        state = dict(state)
+        self._load_extras(state.pop("base_param_settings", None), state.pop("loss_scaler", None))
+        self.optimizer.load_state_dict(state)
+
+    def checkpoint_state(self, with_optimizer: bool = True) -> dict:
+        """What a checkpoint keeps: the optimizer (unless a backend writes its shards itself,
+        ``with_optimizer=False``), the accumulation position and the precision's state."""
         state = {"inner_count": self.inner_count, **self.precision.state_dict()}
+        if self.base_param_settings is not None:
+            state["base_param_settings"] = _plain_group(self.base_param_settings)
         if with_optimizer:
             state["optimizer"] = self.optimizer.state_dict()
         return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_checkpoint_state(self, state: dict) -> None:
         if "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
         self.inner_count = state.get("inner_count", self.inner_count)
+        self._load_extras(state.get("base_param_settings"), None)
         self.precision.load_state_dict(state)
+
+    def _load_extras(self, base: dict | None, loss_scaler: dict | None) -> None:
+        if base is not None and self.base_param_settings is not None:
+            self.base_param_settings.update({k: v for k, v in base.items() if k != "params"})
+        if loss_scaler is not None and self.scaler is not None:
+            self.precision.load_state_dict({"loss_scaler": loss_scaler})
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(optimizer={type(self.optimizer).__name__}, k={self.accumulative_counts})"
@@ -228,6 +280,10 @@ class AmpOptimWrapper(OptimWrapper):
     def skipped_steps(self) -> torch.Tensor:
         """fp16: optimizer steps the GradScaler skipped (gradients overflowed), a tensor."""
         return getattr(self.precision, "skipped_steps", torch.zeros((), dtype=torch.long))
+
+
+def _plain_group(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
 
 
 def _has_train_bn(model: nn.Module) -> bool:

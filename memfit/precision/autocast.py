@@ -119,4 +119,5 @@ class AutocastPrecision(Precision):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and "loss_scaler" in state:
             self.scaler.load_state_dict(state["loss_scaler"])
-            self.skipped_steps = state["skipped_steps"].to(self.skipped_steps.device)
+            if "skipped_steps" in state:  # not in an MMEngine-shaped optimizer wrapper state
+                self.skipped_steps = state["skipped_steps"].to(self.skipped_steps.device)

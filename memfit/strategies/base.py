@@ -103,7 +103,10 @@ class Strategy:
 
     def no_sync(self, model: nn.Module, sync: bool) -> Any:
         """A context around the forward after which backward does (sync=True) or does not reduce
-        gradients across ranks (accumulation's non-final micro-steps)."""
+        gradients across ranks (accumulation's non-final micro-steps). A model the user wrapped
+        themselves (a plain ``DistributedDataParallel``) is asked through its own ``no_sync``."""
+        if not sync and hasattr(model, "no_sync"):
+            return model.no_sync()
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -151,7 +154,7 @@ class Strategy:
 
     def optim_state_dict(self, model: nn.Module, wrapper: Any) -> dict:
         """The optimizer wrapper's state to checkpoint (sharded strategies return their shards)."""
-        return wrapper.state_dict()
+        return wrapper.checkpoint_state()
 
     def load_optim_state_dict(self, model: nn.Module, wrapper: Any, state: dict) -> None:
         """Load ``state`` into ``wrapper``; an optimizer state keyed by parameter name (from a sharded
@@ -163,7 +166,7 @@ class Strategy:
 
             set_optimizer_state_dict(model, wrapper.optimizer, osd, options=StateDictOptions(full_state_dict=True))
             state = {**state, "optimizer": wrapper.optimizer.state_dict()}
-        wrapper.load_state_dict(state)
+        wrapper.load_checkpoint_state(state)
 
     def save_checkpoint(self, path: str | Path, state: dict) -> bool | None:
         """Write ``state`` (model/optimizer already converted to state dicts) atomically; rank 0 only.

@@ -169,8 +169,8 @@ class ColossalAIStrategy(Strategy):
 
     def optim_state_dict(self, model: nn.Module, wrapper: Any) -> dict:
         if not self.sharded:
-            return wrapper.state_dict()
-        return {**wrapper.state_dict(with_optimizer=False), "optimizer": StateRef(None, "optimizer")}
+            return wrapper.checkpoint_state()
+        return {**wrapper.checkpoint_state(with_optimizer=False), "optimizer": StateRef(None, "optimizer")}
 
     def save_checkpoint(self, path: str | Path, state: dict) -> None:
         """DDP plugin: memfit's single file. Sharded plugins: the booster's sharded model and optimizer
@@ -204,6 +204,6 @@ class ColossalAIStrategy(Strategy):
         osd = state.get("optimizer")
         if isinstance(osd, StateRef):
             self.booster.load_optimizer(self._boosted[1], str(osd.path))
-            wrapper.load_state_dict({k: v for k, v in state.items() if k != "optimizer"})
+            wrapper.load_checkpoint_state({k: v for k, v in state.items() if k != "optimizer"})
             return
         super().load_optim_state_dict(model, wrapper, state)

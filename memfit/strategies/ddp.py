@@ -102,7 +102,7 @@ class DDPStrategy(Strategy):
         """ZeRO: every rank sends its shard to rank 0, which holds the whole state (others hold none)."""
         optimizer = wrapper.optimizer
         if not isinstance(optimizer, ZeroRedundancyOptimizer):
-            return wrapper.state_dict()
+            return wrapper.checkpoint_state()
         optimizer.consolidate_state_dict(to=0)
         # Only rank 0 writes the (file) checkpoint; the other ranks' copy is never saved.
-        return wrapper.state_dict() if dist.is_main_process() else {}
+        return wrapper.checkpoint_state() if dist.is_main_process() else {}

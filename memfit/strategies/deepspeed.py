@@ -278,7 +278,7 @@ class DeepSpeedStrategy(Strategy):
         return StateRef(None, "model")
 
     def optim_state_dict(self, model: nn.Module, wrapper: Any) -> dict:
-        return {**wrapper.state_dict(with_optimizer=False), "optimizer": StateRef(None, "optimizer")}
+        return {**wrapper.checkpoint_state(with_optimizer=False), "optimizer": StateRef(None, "optimizer")}
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's weights on every rank (gathered under ZeRO-3; a collective)."""
@@ -331,7 +331,7 @@ class DeepSpeedStrategy(Strategy):
 
     def load_optim_state_dict(self, model: nn.Module, wrapper: Any, state: dict) -> None:
         """The optimizer came back with the engine's shards; only the wrapper's counting is left."""
-        wrapper.load_state_dict({k: v for k, v in state.items() if k != "optimizer"})
+        wrapper.load_checkpoint_state({k: v for k, v in state.items() if k != "optimizer"})
 
 
 def cast_inputs(data: Any, which: list | None = None, dtype: torch.dtype | None = None) -> Any:

@@ -188,7 +188,7 @@ class FSDPStrategy(Strategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         full = self.state_dict_type == "full"
-        state = wrapper.state_dict()
+        state = wrapper.checkpoint_state(with_optimizer=False)
         state["optimizer"] = get_optimizer_state_dict(
             model, wrapper.optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
         return state
@@ -236,7 +236,7 @@ class FSDPStrategy(Strategy):
         else:
             osd = fqn_optim_state(model, wrapper.optimizer, osd)
             set_optimizer_state_dict(model, wrapper.optimizer, osd, options=StateDictOptions(full_state_dict=True))
-        wrapper.load_state_dict({**state, "optimizer": wrapper.optimizer.state_dict()})
+        wrapper.load_checkpoint_state({**state, "optimizer": wrapper.optimizer.state_dict()})
 
     def save_checkpoint(self, path: str | Path, state: dict) -> bool:
         """Write ``state`` at ``path``; False when the write goes on in the background (``async_save``):

@@ -132,9 +132,11 @@ def test_fp16_scaler_counts_skipped_steps_and_round_trips():
     assert int(w.skipped_steps) == 1
     for a, b in zip(model.parameters(), before):
         assert torch.equal(a, b)
-    state = w.state_dict()
+    # MMEngine's state_dict carries the scaler; memfit's checkpoint state also the skipped-step count.
     w2 = AmpOptimWrapper(torch.optim.SGD(Linear().parameters(), lr=0.1), dtype="float16")
-    w2.load_state_dict(state)
+    w2.load_state_dict(w.state_dict())
+    assert w2.scaler.get_scale() == w.scaler.get_scale() == 32768.0
+    w2.load_checkpoint_state(w.checkpoint_state())
     assert w2.scaler.get_scale() == w.scaler.get_scale() and int(w2.skipped_steps) == 1
 
 
