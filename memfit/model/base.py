@@ -28,15 +28,34 @@ def move_to(data: Any, device: torch.device | str | None, non_blocking: bool = F
 
 
 class BaseDataPreprocessor(nn.Module):
-    """Moves a batch to the model's device. Subclass to normalise, pad or augment on the device."""
+    """Moves a batch to the model's device. Subclass to normalise, pad or augment on the device.
+
+    ``device`` follows ``.to()``/``.cuda()``/``.cpu()`` of the preprocessor or of its BaseModel (as
+    MMEngine's ``_device``); it starts on the CPU."""
 
     def __init__(self, non_blocking: bool = False) -> None:
         super().__init__()
         self.non_blocking = non_blocking
-        self.device: torch.device | None = None
+        self.device: torch.device = torch.device("cpu")
+
+    def cast_data(self, data: Any) -> Any:
+        """Every tensor in ``data`` on this preprocessor's device."""
+        return move_to(data, self.device, self.non_blocking)
 
     def forward(self, data: Any, training: bool = False) -> Any:
-        return move_to(data, self.device, self.non_blocking)
+        return self.cast_data(data)
+
+    def to(self, *args: Any, **kwargs: Any) -> nn.Module:
+        _set_device(self, _parse_to_device(*args, **kwargs))
+        return super().to(*args, **kwargs)
+
+    def cuda(self, device: int | torch.device | None = None) -> nn.Module:
+        _set_device(self, _cuda_device(device))
+        return super().cuda(device)
+
+    def cpu(self) -> nn.Module:
+        _set_device(self, torch.device("cpu"))
+        return super().cpu()
 
 
 class BaseModel(nn.Module):
@@ -54,8 +73,24 @@ class BaseModel(nn.Module):
             from memfit.registry import MODELS
 
             data_preprocessor = MODELS.build(data_preprocessor, key="data_preprocessor")
+        elif data_preprocessor is not None and not isinstance(data_preprocessor, nn.Module):
+            raise TypeError(f"data_preprocessor should be a dict or an nn.Module instance, got "
+                            f"{type(data_preprocessor).__name__}")
         self.data_preprocessor = data_preprocessor or BaseDataPreprocessor()
         self.init_cfg = init_cfg
+
+    # .to()/.cuda()/.cpu() also tell every data preprocessor inside where batches go (MMEngine's).
+    def to(self, *args: Any, **kwargs: Any) -> nn.Module:
+        _set_device(self, _parse_to_device(*args, **kwargs))
+        return super().to(*args, **kwargs)
+
+    def cuda(self, device: int | torch.device | None = None) -> nn.Module:
+        _set_device(self, _cuda_device(device))
+        return super().cuda(device)
+
+    def cpu(self) -> nn.Module:
+        _set_device(self, torch.device("cpu"))
+        return super().cpu()
 
     def init_weights(self) -> None:
         """Apply ``init_cfg`` (this model's and its submodules'; see :mod:`memfit.model.init`). The
@@ -114,6 +149,23 @@ class BaseModel(nn.Module):
 
     def forward(self, *inputs: Any, mode: str = "tensor", **kwargs: Any) -> Any:  # pragma: no cover
         raise NotImplementedError(f"{type(self).__name__} must implement forward(..., mode)")
+
+
+def _parse_to_device(*args: Any, **kwargs: Any) -> torch.device | None:
+    device = torch._C._nn._parse_to(*args, **kwargs)[0]  # how nn.Module.to reads its arguments
+    return None if device is None else torch.device(device)
+
+
+def _cuda_device(device: int | torch.device | None) -> torch.device:
+    return torch.device("cuda", device) if device is None or isinstance(device, int) else torch.device(device)
+
+
+def _set_device(module: nn.Module, device: torch.device | None) -> None:
+    if device is None:
+        return
+    for m in module.modules():
+        if isinstance(m, BaseDataPreprocessor):
+            m.device = device
 
 
 # MMEngine's parse_losses takes ``.mean()`` of every value and ``sum()``s the terms (from 0). The same
