@@ -37,7 +37,16 @@ def resolve_optim_wrapper(cfg: Any, strategy: Strategy) -> Any:
     """Map MMEngine's backend wrapper names onto a plain ``OptimWrapper`` config and the strategy they
     need (``ZeroOptimWrapper`` or ``optimizer=dict(type='ZeroRedundancyOptimizer', optimizer_type=...)``
     switch DDP's ZeRO-1 on). A live wrapper is returned as it is."""
+    from memfit.optim.builder import is_multi_optim_cfg
+
     if not isinstance(cfg, dict):
+        return cfg
+    if is_multi_optim_cfg(cfg):
+        for name, sub in cfg.items():
+            kind = _type_name(sub.get("type", "OptimWrapper")) if isinstance(sub, dict) else type(sub).__name__
+            if kind in BACKEND_WRAPPERS:
+                raise ConfigError(f"optim_wrapper.{name}.type={kind!r}: a backend wrapper cannot be one of several "
+                                  "optimizers; use OptimWrapper or AmpOptimWrapper for each")
         return cfg
     cfg = dict(cfg)
     kind = _type_name(cfg.get("type", "OptimWrapper"))
@@ -66,8 +75,17 @@ def resolve_optim_wrapper(cfg: Any, strategy: Strategy) -> Any:
 
 def _autocast_options(cfg: Any) -> dict | None:
     """dtype/loss_scale/fp32_modules when the wrapper is an AmpOptimWrapper (config or object), else None."""
+    from memfit.optim.builder import is_multi_optim_cfg
     from memfit.optim.wrapper import AmpOptimWrapper
+    from memfit.optim.wrapper_dict import OptimWrapperDict
 
+    subs = cfg.optim_wrappers if isinstance(cfg, OptimWrapperDict) else cfg if is_multi_optim_cfg(cfg) else None
+    if subs is not None:  # several optimizers share the run's one precision: they must agree
+        options = {name: _autocast_options(sub) for name, sub in subs.items()}
+        if len({repr(o) for o in options.values()}) > 1:
+            raise ConfigError(f"optim_wrapper: the optimizers ask for different precisions ({options}): the model "
+                              "runs in one; give every entry the same type (AmpOptimWrapper) and dtype")
+        return next(iter(options.values()), None)
     if isinstance(cfg, AmpOptimWrapper):
         return dict(dtype=cfg.dtype, loss_scale=cfg.loss_scale, fp32_modules=cfg.fp32_modules)
     if isinstance(cfg, dict) and _type_name(cfg.get("type")) == "AmpOptimWrapper":
@@ -113,6 +131,17 @@ def _check_in_backward(strategy: Strategy, optim_wrapper: Any, precision: Precis
     check_in_backward_compatible(counts, clip, grad_scaler=getattr(precision, "scaler", None))
 
 
+def _check_several_optimizers(wrapper: Any, strategy: Strategy) -> None:
+    from memfit.optim.wrapper_dict import OptimWrapperDict
+
+    if isinstance(wrapper, OptimWrapperDict) and (
+            type(strategy) not in (SingleDeviceStrategy, DDPStrategy) or dist.get_world_size() > 1
+            or getattr(strategy, "zero", False)):
+        raise ConfigError(f"several optimizers (OptimWrapperDict) train in one process for now, not under "
+                          f"{type(strategy).__name__} at world size {dist.get_world_size()}: a custom train_step "
+                          "calls submodules outside the data-parallel wrapper, whose gradients would not be reduced")
+
+
 def setup(model: nn.Module, strategy: Strategy, optim_wrapper: Any = None, techniques: dict | None = None, *,
           optimizer_in_backward: bool = False) -> tuple[nn.Module, Any]:
     """Set ``model`` up for training (``optim_wrapper`` given) or evaluation; returns (model, wrapper).
@@ -139,6 +168,7 @@ def setup(model: nn.Module, strategy: Strategy, optim_wrapper: Any = None, techn
     wrapper = None
     if optim_wrapper is not None:
         wrapper = build_optim_wrapper(model, optim_wrapper, in_backward=optimizer_in_backward)
+        _check_several_optimizers(wrapper, strategy)
         wrapper.strategy = strategy
     strategy.setup(model, wrapper)
     return model, wrapper

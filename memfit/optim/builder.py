@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
 from memfit.errors import ConfigError
-from memfit.registry import OPTIM_WRAPPERS, OPTIMIZERS
+from memfit.registry import OPTIM_WRAPPER_CONSTRUCTORS, OPTIM_WRAPPERS, OPTIMIZERS, copy_cfg
+
+logger = logging.getLogger("memfit")
 
 
 def build_optim_wrapper(model: nn.Module, cfg: Any, in_backward: bool = False) -> Any:
@@ -16,22 +20,146 @@ def build_optim_wrapper(model: nn.Module, cfg: Any, in_backward: bool = False) -
     ``paramwise_cfg`` (weight-decay/lr multipliers by name or kind) shapes the parameter groups;
     frozen parameters are left out. ``in_backward`` steps each parameter inside backward
     (``cfg=dict(optimizer_in_backward=True)``), so all gradients are never alive at once.
+    ``constructor='MyConstructor'`` builds through a registered constructor class, as MMEngine's
+    (``MyConstructor(optim_wrapper_cfg, paramwise_cfg)(model)``). Several optimizers: a dict of
+    OptimWrappers, or of configs without ``constructor`` (each over the submodule of its name).
     """
     from memfit.optim.wrapper import OptimWrapper
+    from memfit.optim.wrapper_dict import OptimWrapperDict
 
     if isinstance(cfg, OptimWrapper):
         return cfg
     if not isinstance(cfg, dict):
         raise ConfigError(f"optim_wrapper must be a dict or an OptimWrapper, got {type(cfg).__name__}")
     cfg = dict(cfg)
+    constructor = cfg.pop("constructor", None)
+    paramwise_cfg = cfg.pop("paramwise_cfg", None)
+    if constructor is None and is_multi_optim_cfg(cfg):
+        if all(isinstance(v, OptimWrapper) for v in cfg.values()):
+            return OptimWrapperDict(**cfg)
+        constructor = "MultiOptimWrapperConstructor"
+    if constructor is not None:
+        if in_backward:
+            raise ConfigError("cfg.optimizer_in_backward builds its own per-parameter optimizers: remove "
+                              "optim_wrapper.constructor or optimizer_in_backward")
+        built = OPTIM_WRAPPER_CONSTRUCTORS.build(
+            {"type": constructor, "optim_wrapper_cfg": cfg, "paramwise_cfg": paramwise_cfg},
+            key="optim_wrapper.constructor")
+        return built(model)
+    return _build_one_wrapper(model, cfg, paramwise_cfg, in_backward)
+
+
+def is_multi_optim_cfg(cfg: Any) -> bool:
+    """True for ``dict(generator=dict(optimizer=...), discriminator=...)``: several optimizers."""
+    from memfit.optim.wrapper import OptimWrapper
+
+    return (isinstance(cfg, dict) and bool(cfg) and "optimizer" not in cfg and "type" not in cfg
+            and all(isinstance(v, dict | OptimWrapper) for k, v in cfg.items() if k != "constructor"))
+
+
+def _build_one_wrapper(model: nn.Module, cfg: dict, paramwise_cfg: dict | None, in_backward: bool,
+                       key: str = "optim_wrapper") -> Any:
+    cfg = dict(cfg)
     cfg.setdefault("type", "OptimWrapper")
     optimizer_cfg = cfg.pop("optimizer", None)
     if optimizer_cfg is None:
-        raise ConfigError("optim_wrapper.optimizer is missing: e.g. optimizer=dict(type='SGD', lr=0.01)")
-    paramwise_cfg = cfg.pop("paramwise_cfg", None)
-    cfg.pop("constructor", None)
+        raise ConfigError(f"{key}.optimizer is missing: e.g. optimizer=dict(type='SGD', lr=0.01)")
     optimizer = build_optimizer(model, optimizer_cfg, paramwise_cfg, in_backward=in_backward)
-    return OPTIM_WRAPPERS.build(cfg, key="optim_wrapper", optimizer=optimizer)
+    return OPTIM_WRAPPERS.build(cfg, key=key, optimizer=optimizer)
+
+
+@OPTIM_WRAPPER_CONSTRUCTORS.register()
+class DefaultOptimWrapperConstructor:
+    """MMEngine's default constructor: one optimizer over the model (``paramwise_cfg`` groups).
+    Subclass it and register the subclass to build optimizers your own way."""
+
+    def __init__(self, optim_wrapper_cfg: dict, paramwise_cfg: dict | None = None) -> None:
+        if not isinstance(optim_wrapper_cfg, dict):
+            raise TypeError(f"optim_wrapper_cfg should be a dict, got {type(optim_wrapper_cfg).__name__}")
+        if "optimizer" not in optim_wrapper_cfg:
+            raise ConfigError("optim_wrapper.optimizer is missing: e.g. optimizer=dict(type='SGD', lr=0.01)")
+        if paramwise_cfg is not None and not isinstance(paramwise_cfg, dict):
+            raise TypeError(f"paramwise_cfg should be None or a dict, got {type(paramwise_cfg).__name__}")
+        self.optim_wrapper_cfg = dict(optim_wrapper_cfg)
+        self.optimizer_cfg = self.optim_wrapper_cfg["optimizer"]
+        self.paramwise_cfg = paramwise_cfg or {}
+        self.base_lr = self.optimizer_cfg.get("lr") if isinstance(self.optimizer_cfg, dict) else None
+        self.base_wd = self.optimizer_cfg.get("weight_decay") if isinstance(self.optimizer_cfg, dict) else None
+
+    def __call__(self, model: nn.Module) -> Any:
+        return _build_one_wrapper(model, self.optim_wrapper_cfg, self.paramwise_cfg or None, False)
+
+    def add_params(self, params: list, module: nn.Module, prefix: str = "") -> None:
+        """Append ``module``'s param groups under ``paramwise_cfg`` to ``params`` (MMEngine's hook for
+        custom constructors; memfit's groups hold every parameter with equal options)."""
+        from memfit.optim.param_groups import build_param_groups
+
+        params.extend(build_param_groups(module, lr=self.base_lr or 0.0, weight_decay=self.base_wd,
+                                         paramwise_cfg=self.paramwise_cfg))
+
+
+@OPTIM_WRAPPER_CONSTRUCTORS.register()
+class MultiOptimWrapperConstructor:
+    """One OptimWrapper per named submodule: ``dict(generator=dict(optimizer=...), discriminator=...)``
+    builds ``OptimWrapperDict`` with an optimizer over ``model.generator`` and one over
+    ``model.discriminator`` (each entry may hold its own ``paramwise_cfg`` and ``constructor``)."""
+
+    def __init__(self, optim_wrapper_cfg: dict, paramwise_cfg: dict | None = None) -> None:
+        if paramwise_cfg:
+            raise ConfigError("optim_wrapper.paramwise_cfg with several optimizers: put a paramwise_cfg "
+                              "inside each optimizer's entry")
+        self.optim_wrapper_cfg = dict(optim_wrapper_cfg)
+
+    def __call__(self, model: nn.Module) -> Any:
+        from memfit.optim.wrapper import OptimWrapper
+        from memfit.optim.wrapper_dict import OptimWrapperDict
+
+        wrappers = {}
+        for name, sub in self.optim_wrapper_cfg.items():
+            if isinstance(sub, OptimWrapper):
+                wrappers[name] = sub
+                continue
+            module = model.get_submodule(name) if _has_submodule(model, name) else None
+            if module is None:
+                children = [n for n, _ in model.named_children()]
+                raise ConfigError(f"optim_wrapper.{name}: the model has no submodule {name!r} to optimize "
+                                  f"(its children: {children})")
+            sub = dict(sub)
+            if sub.get("constructor") is not None:
+                wrappers[name] = build_optim_wrapper(module, sub)
+            else:
+                paramwise = sub.pop("paramwise_cfg", None)
+                wrappers[name] = _build_one_wrapper(module, sub, paramwise, False, key=f"optim_wrapper.{name}")
+        return OptimWrapperDict(**wrappers)
+
+
+def _has_submodule(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def scale_lr_cfg(cfg: Any, auto_scale_lr: dict | None, real_batch_size: Callable[[], int]) -> Any:
+    """``auto_scale_lr=dict(enable=True, base_batch_size=B)``: every optimizer's ``lr`` in the config
+    times (real batch size / B), as MMEngine's linear scaling rule; the config unchanged otherwise."""
+    if not (isinstance(cfg, dict) and auto_scale_lr and auto_scale_lr.get("enable", False)):
+        return cfg
+    base = auto_scale_lr.get("base_batch_size")
+    if not base:
+        raise ConfigError("auto_scale_lr.base_batch_size is required when auto_scale_lr.enable=True")
+    real = real_batch_size()
+    cfg = copy_cfg(cfg)
+    subs = {k: v for k, v in cfg.items() if isinstance(v, dict)} if is_multi_optim_cfg(cfg) else {"": cfg}
+    for name, sub in subs.items():
+        optimizer = sub.get("optimizer")
+        if not (isinstance(optimizer, dict) and "lr" in optimizer):
+            raise ConfigError(f"auto_scale_lr: optim_wrapper{'.' + name if name else ''}.optimizer sets no lr to scale")
+        sub["optimizer"] = {**optimizer, "lr": optimizer["lr"] * real / base}
+        logger.info(f"auto_scale_lr: {'(' + name + ') ' if name else ''}lr scaled by {real}/{base} "
+                    f"to {sub['optimizer']['lr']:.4e}")
+    return cfg
 
 
 def build_optimizer(model: nn.Module, cfg: Any, paramwise_cfg: dict | None = None, in_backward: bool = False) -> Any:
