@@ -1,8 +1,10 @@
 """The checkpoints of a work dir: the ``last_checkpoint`` pointer, listing by position, pruning.
 
 Checkpoints are named ``epoch_{n}.pth`` / ``iter_{n}.pth`` (a sharded checkpoint is a directory of
-the same name); the ``last_checkpoint`` file names the one to resume from and is rewritten
-atomically only after that checkpoint is complete, so it never points at a partial file.
+the same name), or by a CheckpointHook ``filename_tmpl`` such as ``ckpt_{}.pth``; the ``last_checkpoint``
+file names the one to resume from and is rewritten atomically only after that checkpoint is complete,
+so it never points at a partial file. It always lives in the work dir, also when the checkpoints
+are written elsewhere (CheckpointHook ``out_dir``: it then holds their absolute path).
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ def read_latest(work_dir: str | Path) -> Path | None:
             if aside:
                 logger.warning(f"{pointer} names {named}, which a crash left set aside as {aside[-1].name}: using it")
                 return aside[-1]
-    found = find_checkpoints(work_dir)
+    # Checkpoints written to an out_dir are looked for there (the pointer names that folder).
+    found = find_checkpoints(named.parent if named is not None else work_dir)
     if not found:
         if named is not None:
             logger.warning(
@@ -80,17 +83,35 @@ def checkpoint_position(path: str | Path) -> int | None:
     return int(match.group(2)) if match else None
 
 
-def find_checkpoints(work_dir: str | Path) -> list[Path]:
+def latest_target(work_dir: str | Path) -> Path | None:
+    """The path ``work_dir/last_checkpoint`` names (whether or not it exists), or None."""
+    pointer = Path(work_dir) / LATEST_FILE
+    text = pointer.read_text().strip() if pointer.is_file() else ""
+    if not text:
+        return None
+    return Path(text) if Path(text).is_absolute() else Path(work_dir) / text
+
+
+def find_checkpoints(work_dir: str | Path, filename_tmpl: str | None = None) -> list[Path]:
     """The ``epoch_{n}.pth`` / ``iter_{n}.pth`` checkpoints in ``work_dir``, oldest first.
 
     Sorted by the number in the name (then modification time), not by name, so ``iter_10``
     follows ``iter_9``. Best-metric checkpoints and temporary files do not match and are excluded.
+    ``filename_tmpl`` (one ``{}`` for the number, e.g. ``ckpt_{}.pth``) matches those names instead.
     """
     work_dir = Path(work_dir)
     if not work_dir.is_dir():
         return []
+    if filename_tmpl is not None:
+        before, after = filename_tmpl.split("{}", 1)
+        pattern = re.compile(f"^{re.escape(before)}(\\d+){re.escape(after)}$")
     found = []
     for path in work_dir.iterdir():
+        if filename_tmpl is not None:
+            match = pattern.match(path.name)
+            if match:
+                found.append((int(match.group(1)), path.stat().st_mtime, path))
+            continue
         match = _NAME_RE.match(path.name)
         # A bare ``epoch_3`` is a sharded (directory) checkpoint; ``epoch_3.pth`` may be either.
         if match and (match.group(3) or path.is_dir()):
@@ -98,22 +119,23 @@ def find_checkpoints(work_dir: str | Path) -> list[Path]:
     return [path for _, _, path in sorted(found)]
 
 
-def remove_old(work_dir: str | Path, keep: int, protect: Iterable[str | Path] = ()) -> list[Path]:
+def remove_old(work_dir: str | Path, keep: int, protect: Iterable[str | Path] = (),
+               filename_tmpl: str | None = None) -> list[Path]:
     """Delete all but the newest ``keep`` checkpoints (``max_keep_ckpts``); return what was removed.
 
     Never removes a path in ``protect`` (the best checkpoint) nor the one ``last_checkpoint``
     points to. ``keep <= 0`` keeps everything, as MMEngine's ``max_keep_ckpts=-1``.
+    ``filename_tmpl``: as in :func:`find_checkpoints`.
     """
     if keep <= 0:
         return []
     work_dir = Path(work_dir)
     protected = {Path(p).resolve() for p in protect}
-    pointer = work_dir / LATEST_FILE
-    if pointer.is_file() and pointer.read_text().strip():
-        text = pointer.read_text().strip()
-        protected.add((Path(text) if Path(text).is_absolute() else work_dir / text).resolve())
+    target = latest_target(work_dir)
+    if target is not None:
+        protected.add(target.resolve())
     removed = []
-    for path in find_checkpoints(work_dir)[:-keep]:
+    for path in find_checkpoints(work_dir, filename_tmpl)[:-keep]:
         if path.resolve() in protected:
             continue
         if path.is_dir():

@@ -1,119 +1,289 @@
-"""CheckpointHook: periodic, last and best checkpoints, keeping at most ``max_keep_ckpts``."""
+"""CheckpointHook: periodic, last and best checkpoints with MMEngine's arguments, keeping at most
+``max_keep_ckpts``; RuntimeInfoHook."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import math
+import operator
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from memfit import dist
 from memfit.errors import ConfigError
-from memfit.hooks.base import Hook
+from memfit.hooks.base import Hook, check_local_storage
 from memfit.registry import HOOKS
+
+_WHERE = "default_hooks.checkpoint"
 
 
 @HOOKS.register()
 class CheckpointHook(Hook):
     """Save ``epoch_N.pth`` every ``interval`` epochs (or ``iter_N.pth`` every ``interval`` iterations).
 
-    ``save_best='accuracy/top1'`` (or 'auto': the first metric; a prefix such as 'accuracy' matches
-    'accuracy/top1') keeps ``best_<metric>_<epoch|iter>_N.pth`` with ``rule`` 'greater' or 'less'
-    (default: 'less' for keys containing 'loss', else 'greater'). ``save_last`` also saves at the
-    end of training. Every save updates ``last_checkpoint`` for ``resume=True``. ``max_keep_ckpts=K``
-    keeps the K newest periodic checkpoints in the work dir (also those of an earlier, resumed run),
-    never the best one nor the one ``last_checkpoint`` names. ``save_optimizer=False`` /
-    ``save_param_scheduler=False`` write smaller checkpoints that resume with a fresh optimizer /
-    fresh schedulers (with a warning).
+    MMEngine's arguments and semantics: periodic saves at ``save_begin``, ``save_begin + interval``, ...
+    (and the last one with ``save_last``), named by ``filename_tmpl`` (one ``{}``); ``out_dir`` puts them
+    in ``out_dir/<work_dir's last folder>`` (``last_checkpoint`` stays in the work dir and names them, so
+    ``resume=True`` finds them). ``save_best`` (a metric, a list of metrics, or 'auto': the first one; a
+    prefix such as 'accuracy' matches 'accuracy/top1') keeps one ``best_<metric>_<filename>`` per metric,
+    compared by ``rule`` ('greater'/'less', one or one per metric; None: decided by ``greater_keys`` /
+    ``less_keys``). The message hub holds ``best_score``/``best_ckpt`` (``best_score_<metric>`` ... with
+    several metrics). ``published_keys`` writes ``<name>-<sha256[:8]>.pth`` copies of the last and best
+    checkpoints holding only those keys after training. ``max_keep_ckpts=K`` keeps the K newest periodic
+    checkpoints (also those of an earlier, resumed run), never a best one nor the one ``last_checkpoint``
+    names. ``save_optimizer=False`` / ``save_param_scheduler=False`` write smaller checkpoints that resume
+    with a fresh optimizer / fresh schedulers (with a warning). Unlike MMEngine, a best checkpoint holds
+    the whole training state and becomes the one ``last_checkpoint`` names, so no periodic checkpoint is
+    saved again to record the new best. Only local disk: ``backend_args``/``file_client_args`` warn.
     """
 
     priority = "VERY_LOW"
+    rule_map = {"greater": operator.gt, "less": operator.lt}
+    init_value_map = {"greater": -math.inf, "less": math.inf}
+    _default_greater_keys = ["acc", "top", "AR@", "auc", "precision", "mAP", "mDice", "mIoU", "mAcc", "aAcc"]
+    _default_less_keys = ["loss"]
 
-    def __init__(self, interval: int = -1, by_epoch: bool = True, max_keep_ckpts: int = -1,
-                 save_last: bool = True, save_best: str | None = None, rule: str | None = None,
-                 save_begin: int = 0, save_optimizer: bool = True, save_param_scheduler: bool = True,
-                 out_dir: str | None = None) -> None:
+    def __init__(self, interval: int = -1, by_epoch: bool = True, save_optimizer: bool = True,
+                 save_param_scheduler: bool = True, out_dir: str | Path | None = None, max_keep_ckpts: int = -1,
+                 save_last: bool = True, save_best: str | list[str] | None = None,
+                 rule: str | list[str | None] | None = None, greater_keys: str | Sequence[str] | None = None,
+                 less_keys: str | Sequence[str] | None = None, file_client_args: dict | None = None,
+                 filename_tmpl: str | None = None, backend_args: dict | None = None,
+                 published_keys: str | Sequence[str] | None = None, save_begin: int = 0) -> None:
         if type(interval) is not int or interval == 0:
             raise ConfigError(f"interval={interval!r}: use an int >= 1, or -1 to save only the last checkpoint")
-        if rule not in (None, "greater", "less"):
-            raise ConfigError(f"default_hooks.checkpoint.rule={rule!r}: use 'greater' or 'less'")
-        if out_dir is not None:
-            raise ConfigError("default_hooks.checkpoint.out_dir: checkpoints are written to work_dir; remove out_dir")
-        if isinstance(save_best, list | tuple):
-            raise ConfigError(f"default_hooks.checkpoint.save_best={save_best!r}: give one metric name (a string)")
-        self.interval, self.by_epoch, self.max_keep = interval, by_epoch, max_keep_ckpts
-        self.save_last, self.save_best, self.rule, self.save_begin = save_last, save_best, rule, save_begin
+        if type(save_begin) is not int or save_begin < 0:
+            raise ConfigError(f"{_WHERE}.save_begin={save_begin!r}: use an int >= 0 (the epoch or iteration "
+                              "of the first periodic checkpoint)")
+        if type(max_keep_ckpts) is not int:
+            raise ConfigError(f"{_WHERE}.max_keep_ckpts={max_keep_ckpts!r}: use an int (-1 keeps all)")
+        if filename_tmpl is not None and (not isinstance(filename_tmpl, str) or filename_tmpl.count("{}") != 1):
+            raise ConfigError(f"{_WHERE}.filename_tmpl={filename_tmpl!r}: use a str with one '{{}}' for the "
+                              "epoch or iteration, e.g. 'ckpt_{}.pth'")
+        check_local_storage(_WHERE, out_dir, backend_args, file_client_args)
+        self.interval, self.by_epoch, self.max_keep_ckpts = interval, by_epoch, max_keep_ckpts
+        self.save_last, self.save_begin = save_last, save_begin
         self.save_optimizer, self.save_param_scheduler = save_optimizer, save_param_scheduler
+        self.out_dir: Any = out_dir  # a Path once training starts: out_dir/<work_dir name>, or the work dir
+        self._out_arg = out_dir
+        self._filename_tmpl = filename_tmpl
+        self.greater_keys = _str_list("greater_keys", greater_keys, self._default_greater_keys)
+        self.less_keys = _str_list("less_keys", less_keys, self._default_less_keys)
+        self.published_keys = _str_list("published_keys", published_keys, None)
+        self.save_best = _save_best_list(save_best)
+        self.rules: list[str | None] = _rule_list(rule, self.save_best)
+        self.key_indicators: list[str] = []
+        if self.save_best is not None:
+            self._init_rule(self.rules, self.save_best)
+        self.last_ckpt: Path | None = None
 
+    @property
+    def filename_tmpl(self) -> str:
+        return self._filename_tmpl or ("epoch_{}.pth" if self.by_epoch else "iter_{}.pth")
+
+    def _init_rule(self, rules: list[str | None], key_indicators: list[str]) -> None:
+        """One rule per key (a single rule is shared); None is decided as MMEngine does, case-insensitively:
+        the key equal to a greater key, then to a less key, then containing a greater key, then a less key."""
+        if len(rules) == 1:
+            rules = rules * len(key_indicators)
+        greater = {k.lower() for k in self.greater_keys}
+        less = {k.lower() for k in self.less_keys}
+        self.rules = []
+        for rule, key in zip(rules, key_indicators, strict=True):
+            if rule is None and key != "auto":
+                lc = key.lower()
+                rule = ("greater" if lc in greater else "less" if lc in less else
+                        "greater" if any(k in lc for k in greater) else "less" if any(k in lc for k in less) else None)
+                if rule is None:
+                    raise ConfigError(f"{_WHERE}.rule: cannot infer whether a greater or a smaller {key!r} is better "
+                                      "(no greater_keys/less_keys entry matches it): set rule='greater' or 'less'")
+            self.rules.append(rule)
+        self.key_indicators = list(key_indicators)
+
+    # -- periodic checkpoints ------------------------------------------------------------------
     def before_train(self, runner: Any) -> None:
         if self.by_epoch and not runner.train_loop.by_epoch:
             self.by_epoch = False  # an iteration-based run has no epoch ends to save at
+        work_dir = Path(runner.work_dir)
+        self.out_dir = work_dir if self._out_arg is None else _out_subdir(self._out_arg, work_dir)
+        if self.out_dir != work_dir:
+            runner.logger.info(f"Checkpoints will be saved to {self.out_dir}")
         if dist.is_main_process():
-            _remove_stale_temp_files(runner)
+            for folder in {work_dir, self.out_dir}:
+                _remove_stale_temp_files(runner, folder)
 
     def after_train_epoch(self, runner: Any) -> None:
         if not self.by_epoch:
             return
-        n = runner.epoch + 1
-        if (n >= self.save_begin and self.every_n_epochs(runner, self.interval)) or (
-            self.save_last and n == runner.max_epochs
+        if self.every_n_epochs(runner, self.interval, self.save_begin) or (
+            self.save_last and self.is_last_train_epoch(runner)
         ):
-            self._save(runner, f"epoch_{n}.pth")
+            runner.logger.info(f"Saving checkpoint at {runner.epoch + 1} epochs")
+            self._save_periodic(runner, runner.epoch + 1, dict(epoch=runner.epoch + 1, iter=runner.iter))
 
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None) -> None:
         if self.by_epoch:
             return
-        n = runner.iter + 1
-        if (n >= self.save_begin and self.every_n_train_iters(runner, self.interval)) or (
-            self.save_last and n == runner.max_iters
+        if self.every_n_train_iters(runner, self.interval, self.save_begin) or (
+            self.save_last and self.is_last_train_iter(runner)
         ):
-            self._save(runner, f"iter_{n}.pth")
+            runner.logger.info(f"Saving checkpoint at {runner.iter + 1} iterations")
+            self._save_periodic(runner, runner.iter + 1, dict(epoch=runner.epoch, iter=runner.iter + 1))
 
-    def _save(self, runner: Any, name: str) -> None:
-        runner.save_checkpoint(name, save_optimizer=self.save_optimizer,
+    def _save_periodic(self, runner: Any, step: int, meta: dict) -> None:
+        self.last_ckpt = self.out_dir / self.filename_tmpl.format(step)
+        runner.message_hub.update_info("last_ckpt", str(self.last_ckpt))
+        self._write(runner, self.last_ckpt, meta)
+        if self.max_keep_ckpts > 0 and dist.is_main_process():
+            from memfit.checkpoint.workdir import latest_target, remove_old
+
+            protect = [*self._best_paths(runner), latest_target(runner.work_dir) or self.last_ckpt]
+            removed = remove_old(self.out_dir, self.max_keep_ckpts, protect=protect, filename_tmpl=self.filename_tmpl)
+            for path in removed:
+                runner.logger.debug(f"max_keep_ckpts={self.max_keep_ckpts}: removed {path.name}")
+
+    def _write(self, runner: Any, path: Path, meta: dict) -> None:
+        runner.save_checkpoint(str(path), meta=meta, save_optimizer=self.save_optimizer,
                                save_param_scheduler=self.save_param_scheduler)
-        if self.max_keep > 0 and dist.is_main_process():
-            from memfit.checkpoint import remove_old
+        self._adopt_pointer(runner)
 
-            best = runner.message_hub.get_info("best_ckpt")
-            protect = [runner.work_dir / best] if best else []
-            for path in remove_old(runner.work_dir, self.max_keep, protect=protect):
-                runner.logger.debug(f"max_keep_ckpts={self.max_keep}: removed {path.name}")
+    def _adopt_pointer(self, runner: Any) -> None:
+        """A strategy that finalises a background save points ``last_checkpoint`` from the checkpoint's own
+        folder; with an out_dir, move that pointer to the work dir, where ``resume=True`` reads it."""
+        from memfit.checkpoint.workdir import LATEST_FILE, latest_target, write_latest
 
+        stray = Path(self.out_dir) / LATEST_FILE
+        if Path(self.out_dir) == Path(runner.work_dir) or not dist.is_main_process() or not stray.is_file():
+            return
+        target = latest_target(self.out_dir)
+        if target is not None:
+            write_latest(runner.work_dir, target)
+        stray.unlink(missing_ok=True)
+
+    def after_run(self, runner: Any) -> None:
+        if isinstance(self.out_dir, Path) and runner.train_loop is not None:
+            self._adopt_pointer(runner)  # a background save finalised at the end of training
+
+    # -- best checkpoints ----------------------------------------------------------------------
     def after_val_epoch(self, runner: Any, metrics: dict | None = None) -> None:
-        if not self.save_best or not metrics or runner.train_loop is None:
+        if not self.save_best or runner.train_loop is None:
             return
-        key = self._metric_key(metrics)
-        rule = self.rule or ("less" if "loss" in key else "greater")
-        score = float(metrics[key])
-        hub = runner.message_hub
-        best = hub.get_info("best_score", -math.inf if rule == "greater" else math.inf)
-        if not (score > best if rule == "greater" else score < best):
+        if not metrics:
+            runner.logger.warning("save_best: the validation returned no metrics, no best checkpoint is saved")
             return
-        unit, n = ("epoch", runner.epoch) if runner.train_loop.by_epoch else ("iter", runner.iter)
-        name = f"best_{key.replace('/', '_')}_{unit}_{n}.pth"
-        previous = hub.get_info("best_ckpt")
-        # Recorded before the save so that the checkpoint itself holds the new best (a run resumed
-        # from it must not save the same best again).
-        hub.update_info("best_score", score)
-        hub.update_info("best_ckpt", name)
-        runner.save_checkpoint(name, save_optimizer=self.save_optimizer,
-                               save_param_scheduler=self.save_param_scheduler)
-        if previous and previous != name and dist.is_main_process():
-            _remove(runner.work_dir / previous)
-        runner.logger.info(f"New best {key}: {score:.4f}, saved {name}")
+        if "auto" in self.key_indicators:
+            self._init_rule(self.rules, [next(iter(metrics))])
+        unit, n = ("epoch", runner.epoch) if self.by_epoch else ("iter", runner.iter)
+        hub, single = runner.message_hub, len(self.key_indicators) == 1
+        improved = []
+        for key, rule in zip(self.key_indicators, self.rules, strict=True):
+            metric = self._metric_key(key, metrics)
+            if metrics[metric] is None:
+                continue
+            score = float(metrics[metric])
+            score_key, ckpt_key = ("best_score", "best_ckpt") if single else (f"best_score_{key}", f"best_ckpt_{key}")
+            if not self.rule_map[rule](score, hub.get_info(score_key, self.init_value_map[rule])):
+                continue
+            path = self.out_dir / f"best_{metric}_{self.filename_tmpl.format(n)}".replace("/", "_")
+            improved.append((metric, score, hub.get_info(ckpt_key), path))
+            hub.update_info(score_key, score)
+            hub.update_info(ckpt_key, str(path))
+        # Every new best is recorded before the first save, so that each checkpoint holds them all
+        # (a run resumed from it must not save the same best again).
+        for metric, score, previous, path in improved:
+            self._write(runner, path, dict(epoch=runner.epoch, iter=runner.iter))
+            if previous and dist.is_main_process():
+                from memfit.checkpoint.workdir import latest_target
 
-    def _metric_key(self, metrics: dict) -> str:
-        if self.save_best == "auto":
-            return next(iter(metrics))
-        if self.save_best in metrics:
-            return self.save_best
-        prefixed = [k for k in metrics if k.startswith(f"{self.save_best}/")]
+                old = self.out_dir / Path(previous).name  # the folder may have moved since it was recorded
+                if old != path and old != latest_target(runner.work_dir):
+                    _remove(old)
+            runner.logger.info(f"The best checkpoint with {score:.4f} {metric} at {n} {unit} is saved to {path.name}")
+
+    def _metric_key(self, key: str, metrics: dict) -> str:
+        if key in metrics:
+            return key
+        prefixed = [k for k in metrics if k.startswith(f"{key}/")]
         if prefixed:
             return prefixed[0]
-        raise ConfigError(f"default_hooks.checkpoint.save_best={self.save_best!r} is not a metric; "
-                          f"metrics are: {', '.join(metrics)}")
+        raise ConfigError(f"{_WHERE}.save_best={key!r} is not a metric; metrics are: {', '.join(metrics)}")
+
+    def _best_paths(self, runner: Any) -> list[Path]:
+        info = runner.message_hub.runtime_info
+        return [Path(self.out_dir) / Path(v).name for k, v in info.items()
+                if (k == "best_ckpt" or k.startswith("best_ckpt_")) and v]
+
+    # -- published copies ----------------------------------------------------------------------
+    def after_train(self, runner: Any) -> None:
+        if self.published_keys is None or not dist.is_main_process():
+            return
+        last = [self.last_ckpt] if self.save_last and self.last_ckpt is not None else []
+        for path in last + (self._best_paths(runner) if self.save_best else []):
+            self._publish(runner, path)
+
+    def _publish(self, runner: Any, path: Path) -> None:
+        """MMEngine's ``_publish_model``: a copy with ``published_keys`` only, named by its content's hash."""
+        from memfit.checkpoint import atomic_path, load_checkpoint
+
+        if not path.is_file():
+            runner.logger.warning(f"published_keys: {path} is not a single checkpoint file, not published "
+                                  "(export a sharded checkpoint with memfit.checkpoint.export_safetensors)")
+            return
+        state = load_checkpoint(path)
+        removed = [k for k in state if k not in self.published_keys]
+        state = {k: v for k, v in state.items() if k in self.published_keys}
+        if removed:
+            runner.logger.info(f"Key {removed} will be removed because they are not found in published_keys. "
+                               f"If you want to keep them, please set `{removed}` in published_keys")
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        final = path.with_name(f"{path.stem}-{hashlib.sha256(buffer.getvalue()).hexdigest()[:8]}.pth")
+        with atomic_path(final) as tmp:
+            tmp.write_bytes(buffer.getvalue())
+        runner.logger.info(f"The checkpoint ({path}) is published to {final}.")
+
+
+def _str_list(name: str, value: Any, default: list[str] | None) -> list[str] | None:
+    """None -> ``default``; a str -> [it]; a list/tuple of str as a list (no duplicates)."""
+    if value is None:
+        return default
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(k, str) for k in items):
+        raise ConfigError(f"{_WHERE}.{name}={value!r}: use a str or a list of str")
+    if len(set(items)) != len(items):
+        raise ConfigError(f"{_WHERE}.{name}={value!r}: remove the duplicate entries")
+    return list(items)
+
+
+def _save_best_list(save_best: Any) -> list[str] | None:
+    keys = _str_list("save_best", save_best, None)
+    if keys is not None and "auto" in keys and len(keys) > 1:
+        raise ConfigError(f"{_WHERE}.save_best={save_best!r}: 'auto' (the first metric) cannot be combined with "
+                          "other metrics; give 'auto' alone or name the metrics")
+    return keys
+
+
+def _rule_list(rule: Any, save_best: list[str] | None) -> list[str | None]:
+    rules = list(rule) if isinstance(rule, list | tuple) else [rule]
+    for r in rules:
+        if r not in (None, "greater", "less"):
+            raise ConfigError(f"{_WHERE}.rule={r!r}: use 'greater' or 'less' (or None to decide by the key)")
+    if len(rules) not in (1, len(save_best or rules)):
+        raise ConfigError(f"{_WHERE}.rule={rule!r}: give one rule, or one per save_best metric "
+                          f"({len(save_best or [])})")
+    return rules
+
+
+def _out_subdir(out_dir: str | Path, work_dir: Path) -> Path:
+    """MMEngine's placement: ``out_dir/<last folder of work_dir>``, or the work dir itself when given."""
+    out = Path(out_dir).resolve()
+    return work_dir if out == work_dir.resolve() else out / work_dir.name
 
 
 def _remove(path: Path) -> None:
@@ -124,14 +294,14 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _remove_stale_temp_files(runner: Any) -> None:
+def _remove_stale_temp_files(runner: Any, folder: Path) -> None:
     """Delete the temporary files and directories of saves that a kill interrupted (they can be as
     large as a checkpoint), or put back a checkpoint a kill left set aside. Safe at the start of
     training: no save of this run is in flight yet."""
     from memfit.checkpoint.directory import TEMP_PATTERN, recover
 
     with contextlib.suppress(OSError):
-        for path, action in recover(runner.work_dir):
+        for path, action in recover(folder):
             what = f"{path.name} as {TEMP_PATTERN.match(path.name)['name']}" if action == "restored" else path.name
             runner.logger.warning(f"{action} {what}: left by a save that was interrupted")
 
