@@ -3,7 +3,9 @@
 ``log_processor.window_size`` (an int) becomes the logger's smoothing window. ``visualizer.vis_backends``
 decides TensorBoard: on when ``TensorboardVisBackend`` is listed, off otherwise; ``LocalVisBackend``
 is the ``scalars.jsonl`` file memfit writes anyway. Every other option logs one warning naming it
-(:func:`memfit.errors.warn_ignored`); an option set as memfit behaves anyway stays silent.
+(:func:`memfit.errors.warn_ignored`); an option set as memfit behaves anyway stays silent. The logger
+hook's own MMEngine arguments (``interval_exp_name``, ``log_metric_by_epoch``, ``out_dir``, ...) are
+:class:`~memfit.hooks.logger.LoggerHook`'s and pass through ``default_hooks.logger`` unchanged.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ _LOG_PROCESSOR_WHY = {  # key: (values memfit behaves as anyway, why others have
     "log_with_hierarchy": ((False,), "scalars keep flat names (loss, lr; val/ for validation metrics)"),
 }
 _LOCAL, _TENSORBOARD = "LocalVisBackend", "TensorboardVisBackend"
-_FILES = "files go to work_dir/<timestamp>/ (scalars.jsonl, tensorboard/)"
+_FILES = ("files go to work_dir/<timestamp>/ (scalars.jsonl, tensorboard/); default_hooks.logger.out_dir "
+          "copies the logs to another folder after the run")
 
 
 def logger_kwargs(log_processor: Any, visualizer: Any, by_epoch: bool | None = None) -> dict[str, Any]:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import resource
+import shutil
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +17,10 @@ import torch
 
 from memfit.dist import is_main_process
 from memfit.errors import ConfigError
-from memfit.hooks.base import Hook
+from memfit.hooks.base import Hook, check_local_storage
 from memfit.registry import HOOKS
+
+_WHERE = "default_hooks.logger"
 
 
 def peak_memory_mb(device: torch.device) -> int:
@@ -35,19 +40,50 @@ class LoggerHook(Hook):
     ``log_processor.window_size``) also go to ``<log_dir>/scalars.jsonl`` and, when
     ``tensorboard=True``, to TensorBoard in ``<log_dir>/tensorboard``. A progress bar is shown when
     stdout is a terminal (``progress_bar=None`` decides automatically).
+
+    MMEngine's arguments: ``ignore_last=True`` skips the line of an epoch's last iterations unless
+    the epoch is no longer than the interval (memfit's default False logs them); ``Exp name: ...`` is
+    logged every ``interval_exp_name`` iterations and at the end of each epoch; validation metrics
+    are written at step ``runner.epoch`` (``log_metric_by_epoch=True``) or ``runner.iter``. With
+    ``out_dir``, the log dir's files ending in ``out_suffix`` are copied to ``out_dir/<work_dir's last
+    folder>/`` after the run (and deleted locally with ``keep_local=False``); the default suffixes
+    are MMEngine's plus ``.jsonl`` (memfit's scalars file). Only local disk: ``backend_args`` /
+    ``file_client_args`` warn.
     """
 
     priority = "BELOW_NORMAL"
 
     def __init__(self, interval: int = 10, tensorboard: bool = True, progress_bar: bool | None = None,
-                 ignore_last: bool = False, window_size: int | None = None) -> None:
+                 ignore_last: bool = False, window_size: int | None = None, interval_exp_name: int = 1000,
+                 out_dir: str | Path | None = None,
+                 out_suffix: str | Sequence[str] = (".json", ".jsonl", ".log", ".py", "yaml"),
+                 keep_local: bool = True, file_client_args: dict | None = None, log_metric_by_epoch: bool = True,
+                 backend_args: dict | None = None) -> None:
         if type(interval) is not int or interval < 1:
             raise ConfigError(f"interval={interval!r}: use an int >= 1 (iterations between log lines)")
+        if type(interval_exp_name) is not int or interval_exp_name < 1:
+            raise ConfigError(f"{_WHERE}.interval_exp_name={interval_exp_name!r}: use an int >= 1 (iterations "
+                              "between 'Exp name' lines)")
+        for name, value in (("ignore_last", ignore_last), ("keep_local", keep_local),
+                            ("log_metric_by_epoch", log_metric_by_epoch)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{_WHERE}.{name}={value!r}: use True or False")
+        if not (isinstance(out_suffix, str) or (isinstance(out_suffix, list | tuple)
+                                                and all(isinstance(x, str) for x in out_suffix))):
+            raise ConfigError(f"{_WHERE}.out_suffix={out_suffix!r}: use a str or a tuple of str, e.g. ('.log', '.py')")
+        if out_dir is None and file_client_args is not None:
+            raise ConfigError(f"{_WHERE}.file_client_args is set without out_dir: remove it (it only applies to "
+                              "out_dir)")
+        check_local_storage(_WHERE, out_dir, backend_args, file_client_args)
         self.interval = interval
         self.window_size = window_size
         self.tensorboard = tensorboard
         self.progress_bar = progress_bar
         self.ignore_last = ignore_last
+        self.interval_exp_name = interval_exp_name
+        self.out_dir, self.keep_local, self.log_metric_by_epoch = out_dir, keep_local, log_metric_by_epoch
+        self.out_suffix = out_suffix if isinstance(out_suffix, str) else tuple(out_suffix)
+        self._out: Path | None = None
         self._json = None
         self._tb = None
         self._bar = None
@@ -60,6 +96,9 @@ class LoggerHook(Hook):
             return
         log_dir = Path(runner.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
+        if self.out_dir is not None:  # MMEngine joins the work dir's last folder, always
+            self._out = Path(self.out_dir).resolve() / Path(runner.work_dir).name
+            runner.logger.info(f"Text logs will be saved to {self._out} after the training process.")
         self._json = open(log_dir / "scalars.jsonl", "a")
         if self.tensorboard:
             try:
@@ -75,6 +114,29 @@ class LoggerHook(Hook):
                 f.close()
         self._json = self._tb = None
         self._close_bar()
+        if self._out is not None and is_main_process():
+            self._copy_out(runner)
+
+    def _copy_out(self, runner: Any) -> None:
+        """MMEngine's after_run: copy the log dir's files ending in ``out_suffix`` (sub-folders too) to
+        ``out_dir/<work_dir name>/``, keeping their relative paths; with ``keep_local=False`` delete them."""
+        log_dir = Path(runner.log_dir)
+        copied = []
+        for path in sorted(p for p in log_dir.rglob("*") if p.is_file() and p.name.endswith(self.out_suffix)):
+            target = self._out / path.relative_to(log_dir)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+            copied.append(path)
+            runner.logger.info(f"The file {path} has been uploaded to {target}.")
+        if self.keep_local or not copied:
+            return
+        runner.logger.info(f"keep_local=False: removing the local copies; the logs are in {self._out}")
+        for handler in list(runner.logger.handlers):  # close the log file first (a later line would reopen it)
+            if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == log_dir:
+                runner.logger.removeHandler(handler)
+                handler.close()
+        for path in copied:
+            path.unlink(missing_ok=True)
 
     def _write(self, step: int, scalars: dict[str, float]) -> None:
         if self._json is not None:
@@ -116,10 +178,15 @@ class LoggerHook(Hook):
             hub.update_scalars({f"train/{k}": v for k, v in runner.optim_wrapper.log_scalars().items()})
         if self._bar is not None:
             self._bar.update(1)
-        last_in_epoch = runner.train_loop.is_last_iter_of_epoch(batch_idx)
-        due = (self.every_n_inner_iters(batch_idx, self.interval) if runner.train_loop.by_epoch
+        loop = runner.train_loop
+        last_in_epoch = loop.is_last_iter_of_epoch(batch_idx)
+        if self.every_n_train_iters(runner, self.interval_exp_name) or last_in_epoch:
+            runner.logger.info(f"Exp name: {runner.experiment_name or runner.timestamp}")
+        due = (self.every_n_inner_iters(batch_idx, self.interval) if loop.by_epoch
                else self.every_n_train_iters(runner, self.interval))
-        if not (due or (last_in_epoch and not self.ignore_last)):
+        # MMEngine: an epoch's last, incomplete interval is logged unless ignore_last, and always when the
+        # whole epoch is no longer than the interval.
+        if not (due or (last_in_epoch and (not self.ignore_last or loop.iters_per_epoch <= self.interval))):
             return
         window = self.window_size or self.interval
         scalars: dict[str, float] = {}
@@ -174,8 +241,9 @@ class LoggerHook(Hook):
         for k in ("data_time", "time"):
             if hub.keys(f"{mode}/{k}"):
                 scalars[k] = hub.mean(f"{mode}/{k}")
-        if mode == "val":
-            self._write(runner.iter + (1 if runner.iter >= 0 else 0), {f"val/{k}": v for k, v in scalars.items()})
+        if mode == "val":  # MMEngine's step: the epoch or iteration count the validation follows (0 without training)
+            step = runner.epoch if self.log_metric_by_epoch else runner.iter
+            self._write(step, {f"val/{k}": v for k, v in scalars.items()})
         n = len(runner.val_dataloader if mode == "val" else runner.test_dataloader)
         head = (f"Epoch({mode}) [{max(runner.epoch, 1)}][{n}/{n}]" if runner.train_loop_by_epoch
                 else f"Iter({mode}) [{n}/{n}]")
