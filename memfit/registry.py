@@ -160,16 +160,6 @@ def _torch_optimizers() -> dict[str, Any]:
     return table
 
 
-def _torch_schedulers() -> dict[str, Any]:
-    import torch.optim.lr_scheduler as sched
-
-    return {
-        n: getattr(sched, n)
-        for n in dir(sched)
-        if inspect.isclass(getattr(sched, n)) and n.endswith(("LR", "Annealing", "AnnealingLR", "Plateau"))
-    }
-
-
 def _torchvision_transforms() -> dict[str, Any]:
     import torchvision.transforms.v2 as T
 
@@ -190,7 +180,8 @@ def pseudo_collate(batch: list) -> list:
 MODELS = Registry("model", _torchvision_models)
 OPTIMIZERS = Registry("optimizer", _torch_optimizers)
 OPTIM_WRAPPERS = Registry("optim_wrapper")
-PARAM_SCHEDULERS = Registry("param_scheduler", _torch_schedulers)
+# memfit.optim.scheduler registers MMEngine's schedulers; torch's are refused by name there.
+PARAM_SCHEDULERS = Registry("param_scheduler")
 STRATEGIES = Registry("strategy")
 HOOKS = Registry("hook")
 DATASETS = Registry("dataset")

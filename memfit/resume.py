@@ -16,6 +16,7 @@ import torch
 from memfit import dist
 from memfit._version import __version__
 from memfit.errors import CheckpointError, ConfigError, did_you_mean, first_line
+from memfit.optim.scheduler import load_scheduler_state, scheduler_state
 
 logger = logging.getLogger("memfit")
 
@@ -116,7 +117,7 @@ def collect_state(runner: Any, meta: dict, *, save_optimizer: bool = True, save_
         if save_optimizer:
             state["optim_wrapper"] = runner.strategy.optim_state_dict(runner.model, wrapper)
         if save_param_scheduler:
-            state["param_schedulers"] = [s.state_dict() for s in runner.param_schedulers]
+            state["param_schedulers"] = scheduler_state(runner.param_schedulers)
         if save_optimizer and wrapper.inner_count % wrapper.accumulative_counts != 0:
             # Saved inside an accumulation window: keep the partial gradients so the window completes
             # exactly as it would have. Per rank: before the window's last micro-step each rank holds
@@ -173,19 +174,7 @@ def _restore_optimization(runner: Any, model: torch.nn.Module, wrapper: Any, sta
             runner.strategy.load_optim_state_dict(runner.model, wrapper, state["optim_wrapper"])
         except (ValueError, KeyError, RuntimeError) as exc:
             raise CheckpointError(f"{path}: optimizer state does not fit: {first_line(exc)}") from None
-    if "param_schedulers" not in state:
-        if runner.param_schedulers:
-            runner.logger.warning(f"{path}: holds no scheduler state (saved with save_param_scheduler=False): "
-                                  "the param schedulers start afresh")
-    else:
-        saved_scheds = state["param_schedulers"]
-        if len(saved_scheds) != len(runner.param_schedulers):
-            raise CheckpointError(
-                f"{path}: holds {len(saved_scheds)} param schedulers, the config has {len(runner.param_schedulers)}: "
-                "resume with the same param_scheduler list"
-            )
-        for sched, s in zip(runner.param_schedulers, saved_scheds):
-            sched.load_state_dict(s)
+    load_scheduler_state(runner, state, path)
     grads = state.get("grads") or []
     if grads:
         if len(grads) != dist.get_world_size():

@@ -330,11 +330,10 @@ class Runner:
         if isinstance(self.model, BaseModel) and not (self._prepared or getattr(self.strategy, "skip_init_weights", 0)):
             self.model.init_weights()  # init_cfg (e.g. Pretrained); load_from / resume load over it
         self._prepare(with_optimizer=True)
+        loop = self.train_loop
         self.param_schedulers = build_param_schedulers(
-            self._param_scheduler_cfg, self.optim_wrapper.optimizer, by_epoch_run=tc.by_epoch,
-            max_epochs=self.train_loop.max_epochs, max_iters=self.train_loop.max_iters,
-            iters_per_epoch=self.train_loop.iters_per_epoch,
-        )
+            self._param_scheduler_cfg, self.optim_wrapper, by_epoch_run=tc.by_epoch, max_epochs=loop.max_epochs,
+            max_iters=loop.max_iters, epoch_length=loop.iters_per_epoch)
         self._dump_config()
         self._load_or_resume()
         self.call_hook("before_run")

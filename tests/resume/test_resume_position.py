@@ -22,8 +22,7 @@ class BatchRecorder(Hook):
 
 
 # A per-iteration schedule with accumulation steps the LR after micro-steps that did not step the
-# optimizer (MMEngine's behaviour too); torch warns about it on the first one.
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning")
+# optimizer (MMEngine's behaviour too).
 @pytest.mark.parametrize("by_epoch, sampler", [(True, "DefaultSampler"), (False, "InfiniteSampler")])
 def test_resume_mid_epoch_inside_accumulation_window(tmp_path, kit, by_epoch, sampler):
     train_cfg = dict(by_epoch=True, max_epochs=2) if by_epoch else dict(by_epoch=False, max_iters=16)
