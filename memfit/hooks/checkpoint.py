@@ -321,4 +321,5 @@ class RuntimeInfoHook(Hook):
         hub.update_info("epoch", runner.epoch)
         hub.update_info("iter", runner.iter)
         if runner.optim_wrapper is not None:
-            hub.update_info("lr", runner.optim_wrapper.get_lr()["lr"][0])
+            for name, values in runner.optim_wrapper.get_lr().items():  # lr, base_lr, <optimizer>.lr
+                hub.update_info(name, values[0])

@@ -190,9 +190,8 @@ class LoggerHook(Hook):
             return
         window = self.window_size or self.interval
         scalars: dict[str, float] = {}
-        lrs = runner.optim_wrapper.get_lr()["lr"] if runner.optim_wrapper is not None else []
-        if lrs:
-            scalars["lr"] = lrs[0]
+        if runner.optim_wrapper is not None:  # MMEngine's: each entry of get_lr() (base_lr, lr, <name>.lr)
+            scalars.update({name: values[0] for name, values in runner.optim_wrapper.get_lr().items() if values})
         for key in hub.keys("train/"):
             name = key.removeprefix("train/")
             scalars[name] = hub.latest(key) if name in ("loss_scale", "skipped_steps") else hub.mean(key, window)
