@@ -212,14 +212,14 @@ class LoggerHook(Hook):
             head = f"Iter(train)  [{runner.iter + 1:>{len(str(n))}}/{n}]"
         eta = str(datetime.timedelta(seconds=int(runner.message_hub.get_info("eta", 0.0))))
         parts = [head]
-        if "lr" in s:
-            parts.append(f"lr: {s['lr']:.4e}")
+        lrs = [k for k in s if k == "lr" or k.endswith(("base_lr", ".lr"))]  # MMEngine's: base_lr, lr, <name>.lr
+        parts.extend(f"{k}: {s[k]:.4e}" for k in lrs)
         parts.append(f"eta: {eta}")
         for k in ("time", "data_time"):
             if k in s:
                 parts.append(f"{k}: {s[k]:.4f}")
         parts.append(f"memory: {int(s['memory'])}")
-        skip = {"lr", "time", "data_time", "memory", "epoch", "iter"}
+        skip = {*lrs, "time", "data_time", "memory", "epoch", "iter"}
         rest = [f"{k}: {v:.4f}" for k, v in s.items() if k not in skip and k != "loss"]
         if "loss" in s:
             parts.append(f"loss: {s['loss']:.4f}")
