@@ -180,6 +180,7 @@ def pseudo_collate(batch: list) -> list:
 MODELS = Registry("model", _torchvision_models)
 OPTIMIZERS = Registry("optimizer", _torch_optimizers)
 OPTIM_WRAPPERS = Registry("optim_wrapper")
+OPTIM_WRAPPER_CONSTRUCTORS = Registry("optim_wrapper_constructor")
 # memfit.optim.scheduler registers MMEngine's schedulers; torch's are refused by name there.
 PARAM_SCHEDULERS = Registry("param_scheduler")
 STRATEGIES = Registry("strategy")

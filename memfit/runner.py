@@ -281,20 +281,12 @@ class Runner:
         self._prepared = True
 
     def _scaled_optim_cfg(self) -> Any:
-        cfg = self._optim_wrapper_cfg
-        if cfg is None:
+        from memfit.optim.builder import scale_lr_cfg
+
+        if self._optim_wrapper_cfg is None:
             raise ConfigError("optim_wrapper is not set: e.g. optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.01))")
-        scale = self._auto_scale_lr
-        if not (isinstance(cfg, dict) and scale and scale.get("enable", False)):
-            return cfg
-        base = scale.get("base_batch_size")
-        if not base:
-            raise ConfigError("auto_scale_lr.base_batch_size is required when auto_scale_lr.enable=True")
-        real = self.train_dataloader.batch_size * self.world_size
-        cfg = copy_cfg(cfg)
-        cfg["optimizer"] = {**cfg["optimizer"], "lr": cfg["optimizer"]["lr"] * real / base}
-        self.logger.info(f"auto_scale_lr: lr scaled by {real}/{base} to {cfg['optimizer']['lr']:.4e}")
-        return cfg
+        return scale_lr_cfg(self._optim_wrapper_cfg, self._auto_scale_lr,
+                            lambda: self.train_dataloader.batch_size * self.world_size)
 
     def _build_eval_loop(self, loader_cfg: Any, evaluator_cfg: Any, loop_cfg: Any, mode: str) -> Any:
         from memfit.evaluator import Evaluator
