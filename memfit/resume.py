@@ -76,9 +76,16 @@ def _named_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def optimizer_name(optimizer: Any) -> str:
     """The optimizer's class name; ZeRO-1's wrapper reports the optimizer it shards (AdamW, ...),
-    so a ZeRO checkpoint resumes on one device or without ZeRO and vice versa."""
+    so a ZeRO checkpoint resumes on one device or without ZeRO and vice versa. Several optimizers
+    (an OptimWrapperDict): ``name=Class`` pairs."""
+    if hasattr(optimizer, "optim_wrappers"):
+        return ",".join(f"{n}={optimizer_name(w.optimizer)}" for n, w in optimizer.items())
     inner = getattr(optimizer, "_optim_constructor", None)
     return getattr(inner, "__name__", None) or type(optimizer).__name__
+
+
+def _optimizer_of(wrapper: Any) -> Any:
+    return wrapper if hasattr(wrapper, "optim_wrappers") else wrapper.optimizer
 
 
 def collect_state(runner: Any, meta: dict, *, save_optimizer: bool = True, save_param_scheduler: bool = True) -> dict:
@@ -99,7 +106,7 @@ def collect_state(runner: Any, meta: dict, *, save_optimizer: bool = True, save_
             "torch_version": str(torch.__version__),
             "world_size": dist.get_world_size(),
             "seed": runner.seed,
-            "optimizer": optimizer_name(wrapper.optimizer) if wrapper is not None else None,
+            "optimizer": optimizer_name(_optimizer_of(wrapper)) if wrapper is not None else None,
             "cfg": to_plain(runner._cfg_to_dump) if runner._cfg_to_dump is not None else None,
             **to_plain(meta),
         },
@@ -129,8 +136,15 @@ def collect_state(runner: Any, meta: dict, *, save_optimizer: bool = True, save_
 def restore_state(runner: Any, state: dict, path: str | Path) -> None:
     """Load ``state`` into the runner; errors name the file and what does not fit."""
     from memfit.checkpoint import restore_rng_state
+    from memfit.checkpoint.mmengine import from_mmengine, is_mmengine_checkpoint
 
     path = Path(path)
+    if is_mmengine_checkpoint(state):  # written by MMEngine: its layout mapped onto memfit's
+        loop = runner.train_loop
+        state = from_mmengine(state, path, runner.model, runner.optim_wrapper, by_epoch=loop is None or loop.by_epoch,
+                              iters_per_epoch=loop.iters_per_epoch if loop is not None else 1)
+        runner.logger.info(f"{path}: an MMEngine {state['meta']['mmengine_version']} checkpoint, resumed at "
+                           f"epoch {state['loop']['epoch']}, iteration {state['loop']['iter']}")
     for key in ("meta", "state_dict"):
         if key not in state:
             raise CheckpointError(f"{path}: not a memfit training checkpoint (no {key!r}); use load_from for weights")
@@ -165,9 +179,9 @@ def _restore_optimization(runner: Any, model: torch.nn.Module, wrapper: Any, sta
                               "the optimizer starts afresh")
     else:
         saved = state["meta"].get("optimizer")
-        if saved and saved != optimizer_name(wrapper.optimizer):
+        if saved and saved != optimizer_name(_optimizer_of(wrapper)):
             raise CheckpointError(
-                f"{path}: saved with optimizer {saved}, the config builds {optimizer_name(wrapper.optimizer)}: "
+                f"{path}: saved with optimizer {saved}, the config builds {optimizer_name(_optimizer_of(wrapper))}: "
                 "resume with the same optimizer, or start from the weights with load_from"
             )
         try:

@@ -212,11 +212,30 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict:
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
             state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # torch raises RuntimeError, UnpicklingError, EOFError, ... here
-        raise CheckpointError(f"cannot load checkpoint {path}: {explain_load_error(exc, path)}") from exc
+        state = _load_mmengine(path, map_location)
+        if state is None:
+            raise CheckpointError(f"cannot load checkpoint {path}: {explain_load_error(exc, path)}") from exc
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not a dict: not a memfit checkpoint "
                               "or state dict; save weights with torch.save(model.state_dict(), path)")
     return state
+
+
+def _load_mmengine(path: Path, map_location: Any) -> Any:
+    """An MMEngine checkpoint, its own objects read as inert placeholders. None when the file is not
+    one; a CheckpointError naming the first other global when it holds one (never loaded)."""
+    from memfit.checkpoint.mmengine import OPENMMLAB_PREFIXES, is_foreign, load_with_placeholders, unsafe_globals
+
+    names = unsafe_globals(path)
+    others = [n for n in names if not is_foreign(n)]
+    if not any(n.startswith(OPENMMLAB_PREFIXES) for n in names):
+        return None
+    if others:
+        raise CheckpointError(f"cannot load checkpoint {path}: {refusal(others[0])}")
+    try:
+        return load_with_placeholders(path, names, map_location)
+    except Exception:
+        return None
 
 
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
