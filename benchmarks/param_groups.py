@@ -16,8 +16,8 @@ Prints a Markdown table and writes ``benchmarks/results/param_groups.csv``.
 from __future__ import annotations
 
 import argparse
-import csv
 import copy
+import csv
 import statistics
 import time
 from pathlib import Path

@@ -94,3 +94,69 @@ def test_default_constructor_add_params_follows_paramwise_cfg():
     ctor.add_params(params, GAN().generator)
     decays = sorted({g["weight_decay"] for g in params})
     assert decays == [0.0, 1e-4] and sum(len(g["params"]) for g in params) == 6
+
+
+class TinyGAN(GAN):
+    """A GAN-style model with MMEngine's custom train_step: each optimizer stepped by hand."""
+
+    def __init__(self):
+        super().__init__()
+        from memfit.model import BaseDataPreprocessor
+
+        self.data_preprocessor = BaseDataPreprocessor()
+
+    def train_step(self, data, optim_wrapper):
+        x = torch.stack([d[0] for d in data]) if isinstance(data, list) else data[0]
+        d_opt, g_opt = optim_wrapper["discriminator"], optim_wrapper["generator"]
+        with d_opt.optim_context(self.discriminator):
+            d_loss = self.discriminator(self.generator(x).detach()).mean() - self.discriminator(x).mean()
+        d_opt.update_params(d_loss)
+        with g_opt.optim_context(self.generator):
+            g_loss = -self.discriminator(self.generator(x)).mean()
+        g_opt.update_params(g_loss)
+        self.discriminator.zero_grad(set_to_none=True)  # the generator's backward left gradients there
+        return {"loss_d": d_loss.detach(), "loss_g": g_loss.detach()}
+
+    def val_step(self, data):
+        return []
+
+
+def _gan_runner(work_dir, **kw):
+    from memfit.runner import Runner
+
+    torch.manual_seed(0)
+    data = [(torch.randn(2),) for _ in range(8)]
+    return Runner(
+        model=TinyGAN(), work_dir=str(work_dir), randomness=dict(seed=0),
+        train_dataloader=dict(dataset=data, batch_size=4, sampler=dict(type="DefaultSampler", shuffle=False)),
+        train_cfg=dict(by_epoch=True, max_epochs=4),
+        optim_wrapper=dict(generator=dict(optimizer=dict(type="Adam", lr=1e-3)),
+                           discriminator=dict(optimizer=dict(type="SGD", lr=1e-2, momentum=0.9))),
+        param_scheduler=dict(generator=[dict(type="LinearLR", start_factor=0.5, end=3)],
+                             discriminator=[dict(type="StepLR", step_size=2, gamma=0.5)]),
+        default_hooks=dict(checkpoint=dict(type="CheckpointHook", interval=1)), **kw)
+
+
+def test_gan_runner_trains_logs_and_resumes_exactly(tmp_path):
+    full = _gan_runner(tmp_path / "full")
+    full.train()
+    lrs = full.optim_wrapper.get_lr()
+    # LinearLR(0.5, end=3): 0.5, 0.75, 1.0 x lr over epochs 0-2, then held. StepLR(2, 0.5) with the
+    # default end=max_epochs=4: halved at epoch 2; step 4 is outside [0, 4), so it stays.
+    assert lrs["generator.lr"] == [pytest.approx(1e-3)] and lrs["discriminator.lr"] == [pytest.approx(5e-3)]
+    log = next((tmp_path / "full").glob("*/*.log")).read_text()
+    assert "generator.lr: " in log and "discriminator.lr: " in log
+    resumed = _gan_runner(tmp_path / "part", resume=str(tmp_path / "full" / "epoch_2.pth"))
+    resumed.train()
+    for a, b in zip(full.model.state_dict().values(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_several_optimizers_are_refused_under_ddp_for_now():
+    from memfit.connector import setup
+    from memfit.strategies import DDPStrategy
+
+    strategy = DDPStrategy(zero=True)
+    with pytest.raises(ConfigError, match="several optimizers"):
+        setup(GAN(), strategy, dict(generator=dict(optimizer=dict(type="SGD", lr=0.1)),
+                                    discriminator=dict(optimizer=dict(type="SGD", lr=0.1))))
