@@ -27,7 +27,24 @@ def move_to(data: Any, device: torch.device | str | None, non_blocking: bool = F
     return data
 
 
-class BaseDataPreprocessor(nn.Module):
+class _FollowsDevice(nn.Module):
+    """``.to()``/``.cuda()``/``.cpu()`` also tell every data preprocessor inside where batches go
+    (MMEngine's BaseModel and BaseDataPreprocessor do this)."""
+
+    def to(self, *args: Any, **kwargs: Any) -> nn.Module:
+        _set_device(self, _parse_to_device(*args, **kwargs))
+        return super().to(*args, **kwargs)
+
+    def cuda(self, device: int | torch.device | None = None) -> nn.Module:
+        _set_device(self, _cuda_device(device))
+        return super().cuda(device)
+
+    def cpu(self) -> nn.Module:
+        _set_device(self, torch.device("cpu"))
+        return super().cpu()
+
+
+class BaseDataPreprocessor(_FollowsDevice):
     """Moves a batch to the model's device. Subclass to normalise, pad or augment on the device.
 
     ``device`` follows ``.to()``/``.cuda()``/``.cpu()`` of the preprocessor or of its BaseModel (as
@@ -45,20 +62,8 @@ class BaseDataPreprocessor(nn.Module):
     def forward(self, data: Any, training: bool = False) -> Any:
         return self.cast_data(data)
 
-    def to(self, *args: Any, **kwargs: Any) -> nn.Module:
-        _set_device(self, _parse_to_device(*args, **kwargs))
-        return super().to(*args, **kwargs)
 
-    def cuda(self, device: int | torch.device | None = None) -> nn.Module:
-        _set_device(self, _cuda_device(device))
-        return super().cuda(device)
-
-    def cpu(self) -> nn.Module:
-        _set_device(self, torch.device("cpu"))
-        return super().cpu()
-
-
-class BaseModel(nn.Module):
+class BaseModel(_FollowsDevice):
     """Base class for memfit models (MMEngine's contract).
 
     Subclasses implement ``forward(*inputs, mode)``: ``mode='loss'`` returns a dict of losses (each
@@ -79,18 +84,6 @@ class BaseModel(nn.Module):
         self.data_preprocessor = data_preprocessor or BaseDataPreprocessor()
         self.init_cfg = init_cfg
 
-    # .to()/.cuda()/.cpu() also tell every data preprocessor inside where batches go (MMEngine's).
-    def to(self, *args: Any, **kwargs: Any) -> nn.Module:
-        _set_device(self, _parse_to_device(*args, **kwargs))
-        return super().to(*args, **kwargs)
-
-    def cuda(self, device: int | torch.device | None = None) -> nn.Module:
-        _set_device(self, _cuda_device(device))
-        return super().cuda(device)
-
-    def cpu(self) -> nn.Module:
-        _set_device(self, torch.device("cpu"))
-        return super().cpu()
 
     def init_weights(self) -> None:
         """Apply ``init_cfg`` (this model's and its submodules'; see :mod:`memfit.model.init`). The
