@@ -1,8 +1,11 @@
-"""Activation checkpointing: by module name, by module type, every N-th block, or selective (op-level).
+"""Activation checkpointing: by module name, by module type, every N-th block, selective (op-level), or
+an ``nn.Sequential`` split into N segments.
 
 ``apply_activation_checkpointing(model, ['backbone.layers.0'])`` is the seeds'
 ``cfg=dict(activation_checkpointing=[...])``; the dict form adds
-``dict(names=[...], types=['SwinTransformerBlock'], every_n=2, selective=True)``.
+``dict(names=[...], types=['SwinTransformerBlock'], every_n=2, selective=True)``, and
+``dict(splits=N, module='trunk')`` (VISSL's ``NUM_ACTIVATION_CHECKPOINTING_SPLITS``) runs a
+Sequential's children as ``torch.utils.checkpoint.checkpoint_sequential`` does.
 
 Each chosen module keeps its identity: only its ``forward`` is replaced, by an instance attribute
 that runs the original forward under non-reentrant ``torch.utils.checkpoint.checkpoint``. Parameter
@@ -22,6 +25,7 @@ modules covered by the model's own switch (timm's ``set_grad_checkpointing``, ``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable
 from functools import partial
@@ -35,7 +39,7 @@ from memfit.errors import ConfigError, did_you_mean
 
 logger = logging.getLogger("memfit")
 
-SPEC_KEYS = ("names", "types", "every_n", "selective")
+SPEC_KEYS = ("names", "types", "every_n", "selective", "splits", "module")
 
 # Selective checkpointing keeps the outputs of these ops (the expensive ones: GEMMs and attention)
 # and recomputes everything else (norms, activations, adds), as torchtitan's op-level policy does.
@@ -69,6 +73,47 @@ class WrappedForward:
         self.orig = orig
 
 
+class _RecomputeContext:
+    """The context a region's recomputation runs in: the selective policy's (if any), with every
+    train-mode BatchNorm of the region leaving its running statistics and ``num_batches_tracked``
+    as the first forward left them (momentum 0: ``(1 - 0) * running + 0 * batch`` is exact), so a
+    recomputed BatchNorm is not counted twice. The kernels and saved tensors stay the same."""
+
+    def __init__(self, inner: Any, norms: list[nn.Module]) -> None:
+        self.inner, self.norms = inner, norms
+        self.saved: list[tuple[Any, Any]] = []
+
+    def __enter__(self) -> None:
+        # Outside the selective policy's mode: these copies are not ops of the region.
+        self.saved = [(m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone())
+                      for m in self.norms]
+        for m in self.norms:
+            m.momentum = 0.0
+        self.inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.inner.__exit__(*exc)
+        for m, (momentum, count) in zip(self.norms, self.saved):
+            m.momentum = momentum
+            if count is not None:
+                m.num_batches_tracked.copy_(count)
+
+
+def checkpoint_kwargs(regions: Iterable[nn.Module], context_fn: Callable[[], Any] | None) -> dict[str, Any]:
+    """``checkpoint``'s ``context_fn`` for a region made of ``regions``: the selective contexts and the
+    running-statistics guard of :class:`_RecomputeContext`; empty when neither applies."""
+    norms = [m for r in regions for m in r.modules()
+             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats]
+    if not norms:
+        return {"context_fn": context_fn} if context_fn is not None else {}
+
+    def contexts() -> tuple[Any, Any]:
+        fwd, rec = context_fn() if context_fn is not None else (contextlib.nullcontext(), contextlib.nullcontext())
+        return fwd, _RecomputeContext(rec, norms)
+
+    return {"context_fn": contexts}
+
+
 class CheckpointedForward(WrappedForward):
     """``forward`` under non-reentrant checkpointing; selective when a context_fn is given."""
 
@@ -85,8 +130,48 @@ class CheckpointedForward(WrappedForward):
         # (context_fn, debug, ...) cannot collide; non-reentrant checkpointing differentiates
         # through tensors a closure captures.
         fn = partial(self.orig, **kwargs) if kwargs else self.orig
-        extra = {"context_fn": self.context_fn} if self.context_fn is not None else {}
-        return checkpoint(fn, *args, use_reentrant=False, **extra)
+        module = getattr(self.orig, "__self__", None)
+        regions = [module] if isinstance(module, nn.Module) else []
+        return checkpoint(fn, *args, use_reentrant=False, **checkpoint_kwargs(regions, self.context_fn))
+
+
+def _run_segment(children: list[nn.Module]) -> Callable[[Any], Any]:
+    def run(x: Any) -> Any:
+        for child in children:
+            x = child(x)
+        return x
+
+    return run
+
+
+class SplitCheckpointedForward(WrappedForward):
+    """An ``nn.Sequential``'s ``forward`` cut into ``segments`` as ``torch.utils.checkpoint.checkpoint_sequential``.
+
+    The same loop and boundaries as torch's function: ``len(children) // segments`` children per
+    segment, the remainder in the last one, and the last segment runs *without* checkpointing (its
+    activations are needed by the backward right away), so ``segments=N`` checkpoints N - 1 regions
+    and recomputes the first ``(N - 1) * (len // N)`` children once per backward. Each region goes
+    through ``checkpoint(..., use_reentrant=False)`` itself (rather than ``checkpoint_sequential``,
+    which takes no ``context_fn``) so train-mode BatchNorms are not updated twice (:func:`checkpoint_kwargs`).
+    """
+
+    kind = "activation checkpointing"
+
+    def __init__(self, orig: Callable[..., Any], segments: int) -> None:
+        super().__init__(orig)
+        self.segments = segments
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled() or len(args) != 1 or kwargs:
+            return self.orig(*args, **kwargs)  # nn.Sequential.forward raises for the odd signatures
+        # The bound original forward's module: a deepcopy of the model copies it with its module.
+        children = list(self.orig.__self__.children())
+        size, x, end = len(children) // self.segments, args[0], -1
+        for start in range(0, size * (self.segments - 1), size):
+            end = start + size - 1
+            segment = children[start:end + 1]
+            x = checkpoint(_run_segment(segment), x, use_reentrant=False, **checkpoint_kwargs(segment, None))
+        return _run_segment(children[end + 1:])(x)
 
 
 def wrapped_forward(module: nn.Module) -> WrappedForward | None:
@@ -134,8 +219,12 @@ def install(
     chosen: list[tuple[str, nn.Module]],
     make: Callable[[Callable[..., Any]], WrappedForward],
     what: str,
+    makers: dict[str, Callable[[Callable[..., Any]], WrappedForward]] | None = None,
 ) -> list[str]:
     """Replace the forward of each chosen module by ``make(original forward)``, never twice.
+
+    ``makers`` overrides ``make`` for the qualified names it holds (a split Sequential among named
+    modules), so one call orders all of them outermost first.
 
     Skipped with a warning: a module already wrapped by memfit or inside/around one that is (the
     checkpoint or offload of the outer one would act on the inner one twice), and a module that the
@@ -167,7 +256,7 @@ def install(
                 f"run its forward twice more"
             )
             continue
-        module.forward = make(module.forward)
+        module.forward = (makers or {}).get(name, make)(module.forward)
         wrapped.add(name)
         done.append(name)
     return done
@@ -217,7 +306,7 @@ def _normalise(spec: Any) -> dict[str, Any]:
     if not isinstance(spec, dict):
         raise ConfigError(
             f"activation_checkpointing must be a list of module names or a dict(names=..., types=..., "
-            f"every_n=..., selective=...), got {type(spec).__name__}"
+            f"every_n=..., selective=..., splits=..., module=...), got {type(spec).__name__}"
         )
     for k in spec:
         if k not in SPEC_KEYS:
@@ -243,6 +332,36 @@ def _match_types(model: nn.Module, types: Iterable[Any]) -> list[tuple[str, nn.M
     return [(n, m) for n, m in model.named_modules() if matches(m)]
 
 
+def _split_target(model: nn.Module, spec: dict[str, Any]) -> tuple[str, nn.Module, int] | None:
+    """``splits=N, module='trunk'``: the Sequential to split and N, checked; None without ``splits``."""
+    splits, name = spec.get("splits"), spec.get("module")
+    if splits is None:
+        if name is not None:
+            raise ConfigError("activation_checkpointing.module needs splits=N (the number of segments to cut it into)")
+        return None
+    if not isinstance(splits, int) or isinstance(splits, bool) or splits < 1:
+        raise ConfigError(f"activation_checkpointing.splits must be a positive integer, got {splits!r}")
+    if spec.get("selective"):
+        raise ConfigError("activation_checkpointing: splits and selective do not combine (checkpoint_sequential "
+                          "recomputes whole segments); use one of them")
+    name = name or ""
+    if not isinstance(name, str):
+        raise ConfigError(f"activation_checkpointing.module must be a dotted module name, got {name!r}")
+    ((name, module),) = resolve_modules(model, [name], "activation_checkpointing.module")
+    shown = repr(name) if name else "the model"
+    if not isinstance(module, nn.Sequential) or type(module).forward is not nn.Sequential.forward:
+        hint = "" if name else " (set module='...' to one inside it)"
+        raise ConfigError(f"activation_checkpointing.module: {shown} is a {type(module).__name__}, not an "
+                          f"nn.Sequential running its children in order: splits need one{hint}")
+    if splits > len(module):
+        raise ConfigError(f"activation_checkpointing.splits={splits}: {shown} has only {len(module)} children; "
+                          f"use splits <= {len(module)}")
+    if splits == 1:
+        logger.warning(f"activation_checkpointing: splits=1 checkpoints nothing in {shown}: as "
+                       "checkpoint_sequential, the last segment runs without checkpointing")
+    return name, module, splits
+
+
 def apply_activation_checkpointing(model: nn.Module, spec: Any) -> list[str]:
     """Checkpoint the modules ``spec`` selects and return their qualified names.
 
@@ -250,8 +369,11 @@ def apply_activation_checkpointing(model: nn.Module, spec: Any) -> list[str]:
     selective=True | dict(save_ops=[...]))``: modules matching a name or a type (in
     ``named_modules()`` order) are chosen, ``every_n`` keeps the N-th, 2N-th, ... of them (as
     torchtitan's ``ac_freq``), and ``selective`` saves GEMM/attention outputs inside each region
-    instead of recomputing everything. Trades compute (about one extra forward of the region) for
-    the activation memory the region would have saved for backward.
+    instead of recomputing everything. ``dict(splits=N, module='trunk')`` cuts the ``nn.Sequential``
+    ``trunk`` (default: the model itself) into N segments as ``checkpoint_sequential`` does and
+    checkpoints all but the last; names/types may be given too, for other modules. Trades compute
+    (about one extra forward of the region) for the activation memory the region would have saved
+    for backward.
     """
     spec = _normalise(spec)
     names = spec.get("names") or []
@@ -264,8 +386,9 @@ def apply_activation_checkpointing(model: nn.Module, spec: Any) -> list[str]:
     if not isinstance(every_n, int) or isinstance(every_n, bool) or every_n < 1:
         raise ConfigError(f"activation_checkpointing.every_n must be a positive integer, got {every_n!r}")
     selective = spec.get("selective", False)
-    if set(spec) - {"names"} and not names and not types:
-        raise ConfigError("activation_checkpointing: the dict form needs names=[...] or types=[...]")
+    split = _split_target(model, spec)
+    if set(spec) - {"names"} and not names and not types and split is None:
+        raise ConfigError("activation_checkpointing: the dict form needs names=[...] or types=[...] (or splits=N)")
 
     chosen = dict(resolve_modules(model, names, "activation_checkpointing.names"))
     chosen.update(_match_types(model, types))
@@ -289,8 +412,18 @@ def apply_activation_checkpointing(model: nn.Module, spec: Any) -> list[str]:
                 f"activation_checkpointing.selective must be True or dict(save_ops=[...]), got {selective!r}"
             )
     make = partial(CheckpointedForward, context_fn=context_fn)
-    done = install(model, ordered, make, "activation_checkpointing")
+    makers = {}
+    if split is not None:
+        name, module, splits = split
+        ordered = [nm for nm in ordered if nm[0] != name] + [(name, module)]
+        makers[name] = partial(SplitCheckpointedForward, segments=splits)
+    done = install(model, ordered, make, "activation_checkpointing", makers)
     if done:
         mode = "selective " if context_fn else ""
         logger.info(f"{mode}activation checkpointing on {len(done)} modules: {', '.join(done)}")
+    if split is not None and split[0] in done:
+        name, module, splits = split
+        size = len(module) // splits
+        logger.info(f"activation checkpointing: {name or '<model>'} split into {splits} segments of {size} children "
+                    f"({(splits - 1) * size} of {len(module)} checkpointed; the last segment runs plainly)")
     return done
