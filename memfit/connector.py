@@ -15,7 +15,15 @@ from torch import nn
 
 from memfit import dist
 from memfit.errors import ConfigError
-from memfit.precision import AutocastPrecision, HalfPrecision, Precision, amp_precision, parse_dtype
+from memfit.precision import (
+    AutocastPrecision,
+    HalfPrecision,
+    MasterWeightsPrecision,
+    Precision,
+    amp_precision,
+    parse_dtype,
+    precision_from_cfg,
+)
 from memfit.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 
 # MMEngine optimizer-wrapper names that stand for a backend: name -> the strategy class they need.
@@ -94,17 +102,27 @@ def _autocast_options(cfg: Any) -> dict | None:
     return None
 
 
-def select_precision(optim_wrapper: Any, strategy: Strategy) -> Precision:
-    """The run's one precision, from the optimizer wrapper (``AmpOptimWrapper``: autocast) and the
-    strategy's own options (DeepSpeed's fp16/bf16/torch_autocast, FSDP's mixed_precision, colossalai's
-    mixed_precision); given to the strategy, which refuses what its backend cannot run."""
+def select_precision(optim_wrapper: Any, strategy: Strategy, precision_cfg: dict | None = None) -> Precision:
+    """The run's one precision, from the Runner's ``precision=dict(opt_level=...)`` (Apex's levels), the
+    optimizer wrapper (``AmpOptimWrapper``: autocast) or the strategy's own options (DeepSpeed's
+    fp16/bf16/torch_autocast, FSDP's mixed_precision, colossalai's mixed_precision); given to the
+    strategy, which refuses what its backend cannot run. Two of these at once are refused."""
     device_type = strategy.device.type
     amp = _autocast_options(optim_wrapper)
     requested = strategy.precision_request()
-    if amp is None:
+    where = type(strategy).__name__
+    if precision_cfg is not None:
+        precision = precision_from_cfg(precision_cfg, device_type)
+        level = precision_cfg.get("opt_level")
+        if amp is not None:
+            raise ConfigError(f"precision=dict(opt_level={level!r}) and AmpOptimWrapper both set the precision: keep "
+                              "one (opt_level='O1' is AmpOptimWrapper's autocast)")
+        if requested is not None:
+            raise ConfigError(f"precision=dict(opt_level={level!r}) and {where}'s own precision options "
+                              f"({requested.name}) both set the precision: keep one")
+    elif amp is None:
         precision = requested or Precision(device_type)
     else:
-        where = type(strategy).__name__
         if isinstance(requested, HalfPrecision):
             raise ConfigError(f"AmpOptimWrapper (torch autocast) and {where}'s whole-model {requested.name} "
                               "(parameters cast to half) are two precisions: keep one")
@@ -122,6 +140,9 @@ def select_precision(optim_wrapper: Any, strategy: Strategy) -> Precision:
 def _check_in_backward(strategy: Strategy, optim_wrapper: Any, precision: Precision) -> None:
     from memfit.optim.in_backward import check_in_backward_compatible
 
+    if isinstance(precision, MasterWeightsPrecision):
+        raise ConfigError(f"cfg.optimizer_in_backward and precision opt_level={precision.opt_level!r}: the master "
+                          "weights step after the whole backward; use one of them")
     if type(strategy) is not SingleDeviceStrategy or dist.get_world_size() > 1:
         raise ConfigError(f"cfg.optimizer_in_backward runs in one process on one device only "
                           f"({type(strategy).__name__}, world size {dist.get_world_size()}): gradients would be "
@@ -143,13 +164,15 @@ def _check_several_optimizers(wrapper: Any, strategy: Strategy) -> None:
 
 
 def setup(model: nn.Module, strategy: Strategy, optim_wrapper: Any = None, techniques: dict | None = None, *,
-          optimizer_in_backward: bool = False) -> tuple[nn.Module, Any]:
+          optimizer_in_backward: bool = False, precision: dict | None = None) -> tuple[nn.Module, Any]:
     """Set ``model`` up for training (``optim_wrapper`` given) or evaluation; returns (model, wrapper).
 
     The order is torchtitan's: choose the precision, move the model to the device, apply the memory
     techniques (``techniques``: the runner's ``cfg`` switches), convert it for the precision (fp32
-    islands), let the strategy wrap or shard it, build the optimizer over the wrapped parameters,
-    and let the strategy finish with it (ZeRO-1, DeepSpeed's engine, colossalai's booster).
+    islands, whole-model casts), let the strategy wrap or shard it, build the optimizer over the
+    wrapped parameters, let the precision prepare it (fp32 master weights) and the strategy finish
+    with it (ZeRO-1, DeepSpeed's engine, colossalai's booster). ``precision``: the Runner's
+    ``precision=dict(opt_level=...)`` (Apex's levels), None to follow the wrapper and the strategy.
     """
     from memfit.memory import apply_memory_techniques
     from memfit.optim.builder import build_optim_wrapper
@@ -157,18 +180,19 @@ def setup(model: nn.Module, strategy: Strategy, optim_wrapper: Any = None, techn
     if not strategy.env_ready:  # built by hand (tests, notebooks): join the launch's group, pick the device
         strategy.setup_env(dist.resolve_launcher(None))
     optim_wrapper = resolve_optim_wrapper(optim_wrapper, strategy)
-    precision = select_precision(optim_wrapper, strategy)
+    precision_policy = select_precision(optim_wrapper, strategy, precision)
     if optimizer_in_backward and optim_wrapper is not None:
-        _check_in_backward(strategy, optim_wrapper, precision)
+        _check_in_backward(strategy, optim_wrapper, precision_policy)
     model = strategy.to_device(model)
     if techniques:
         apply_memory_techniques(model, techniques)
-    precision.convert_module(model)
+    precision_policy.convert_module(model)
     model = strategy.wrap(model)
     wrapper = None
     if optim_wrapper is not None:
         wrapper = build_optim_wrapper(model, optim_wrapper, in_backward=optimizer_in_backward)
         _check_several_optimizers(wrapper, strategy)
         wrapper.strategy = strategy
+        precision_policy.prepare_optimizer(wrapper)
     strategy.setup(model, wrapper)
     return model, wrapper

@@ -71,8 +71,10 @@ class Runner:
         strategy: Any = None,
         compile: bool | dict = False,
         cfg: dict | None = None,
+        precision: dict | None = None,  # Apex/VISSL opt levels: dict(opt_level='O2', ...), memfit.precision.master
     ) -> None:
         from memfit.config.schema import CONFIG_KEYS, EnvCfg, Randomness, TestCfg, TrainCfg, ValCfg
+        from memfit.precision import precision_options
         from memfit.strategies import build_strategy
 
         self.cfg = dict(cfg or {})
@@ -91,7 +93,7 @@ class Runner:
         self._val_evaluator_cfg, self._test_evaluator_cfg = val_evaluator, test_evaluator
         self._auto_scale_lr = auto_scale_lr
         self.load_from, self.resume_from = load_from, resume
-        self.compile = compile
+        self.compile, self._precision = compile, precision_options(precision)
         self.launcher = launcher = dist.resolve_launcher(launcher)
 
         # Environment: process group and device first, then seeds, then files and the logger.
@@ -273,7 +275,7 @@ class Runner:
         if self.train_dataloader is not None:
             self.strategy.set_micro_batch_size(self.train_dataloader.batch_size)
         self.model, self.optim_wrapper = setup(
-            self.model, self.strategy, optim_cfg, self.cfg,
+            self.model, self.strategy, optim_cfg, self.cfg, precision=self._precision,
             optimizer_in_backward=bool(self.cfg.get("optimizer_in_backward")) and with_optimizer)
         if self.compile:
             kwargs = self.compile if isinstance(self.compile, dict) else {}

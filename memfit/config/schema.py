@@ -49,6 +49,7 @@ RUNNER_KEYS: tuple[str, ...] = (
     "strategy",
     "compile",
     "cfg",
+    "precision",  # Apex's opt levels (VISSL's AMP_ARGS): memfit.precision.master.precision_options
 )
 
 # Memory techniques a config may switch on at top level; the runner reads them from ``cfg``.
@@ -319,5 +320,9 @@ def _validate(cfg: Mapping[str, Any], prefix: str) -> None:
             )
         if key in SECTIONS and isinstance(value, Mapping):
             SECTIONS[key].from_dict(value, prefix + key)
+        elif key == "precision" and value is not None:
+            from memfit.precision.master import precision_options
+
+            precision_options(value)
         elif key == "cfg" and isinstance(value, Mapping) and not prefix:
             _validate(value, "cfg.")

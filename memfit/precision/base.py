@@ -23,7 +23,8 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float32": torch.float32, "fp32": torch.float32, "32": torch.float32,
 }
-# VISSL/Apex opt levels: O1 is autocast; O2/O3 are whole-model half (HalfPrecision where a backend has it).
+# VISSL/Apex opt levels: O1 is autocast; O2/O3 are whole-model half (Runner(precision=dict(opt_level=...)):
+# memfit.precision.master; DeepSpeed's amp section maps every level to autocast).
 APEX_OPT_LEVELS = {"O0": "float32", "O1": "float16", "O2": "float16", "O3": "float16"}
 
 
@@ -92,6 +93,10 @@ class Precision:
         """Prepare ``model`` before the strategy wraps it (fp32 islands, casts). In place."""
         return model
 
+    def prepare_optimizer(self, optim_wrapper: Any) -> None:
+        """Called once the optimizer wrapper is built over the wrapped model, before the strategy's
+        ``setup`` (ZeRO-1 shards what this leaves in the optimizer): fp32 master weights go in here."""
+
     # -- the step ----------------------------------------------------------------------------
     def autocast(self) -> Any:
         """The context the training forward runs in."""
@@ -113,6 +118,10 @@ class Precision:
 
     def step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
         optimizer.step(**kwargs)
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
+        """Clear the gradients (a precision with master weights clears the model's half ones too)."""
+        optimizer.zero_grad(**kwargs)
 
     # -- logging and state -------------------------------------------------------------------
     def log_scalars(self) -> dict[str, Any]:

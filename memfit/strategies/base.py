@@ -69,6 +69,17 @@ class Strategy:
             raise ConfigError(f"{type(self).__name__} has no whole-model {precision.name} mode: use "
                               "optim_wrapper=dict(type='AmpOptimWrapper', dtype=...) (autocast)")
 
+    def refuse_master_weights(self, precision: Precision, own: str) -> None:
+        """A sharding backend keeps fp32 master weights itself: memfit's Apex O2/O3 precision
+        (:class:`~memfit.precision.MasterWeightsPrecision`) is refused, pointing to the backend's ``own``."""
+        from memfit.precision import MasterWeightsPrecision
+
+        if isinstance(precision, MasterWeightsPrecision):
+            from memfit.errors import ConfigError
+
+            raise ConfigError(f"precision=dict(opt_level={precision.opt_level!r}) keeps fp32 master weights in memfit "
+                              f"(SingleDeviceStrategy, DDPStrategy); {type(self).__name__} keeps its own: use {own}")
+
     def set_precision(self, precision: Precision) -> None:
         self.check_precision(precision)
         self.precision = precision
@@ -128,7 +139,7 @@ class Strategy:
         return self.clip_grad_norm(params, **clip_grad)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
-        optimizer.zero_grad(**kwargs)
+        self.precision.zero_grad(optimizer, **kwargs)
 
     def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                        **kw: Any) -> torch.Tensor:

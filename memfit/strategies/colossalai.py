@@ -123,6 +123,8 @@ class ColossalAIStrategy(Strategy):
         return HalfPrecision(dtype) if self.sharded else AutocastPrecision(dtype)
 
     def check_precision(self, precision: Precision) -> None:
+        self.refuse_master_weights(precision, "strategy mixed_precision='bf16'|'fp16' (the plugin's fp32 masters) "
+                                              "or precision=dict(opt_level='O1') (autocast)")
         if self.sharded and isinstance(precision, AutocastPrecision):
             raise ConfigError("AmpOptimWrapper under a sharded colossalai plugin: the plugin owns precision; set "
                               "strategy mixed_precision='fp16'|'bf16' and use OptimWrapper")

@@ -142,6 +142,9 @@ class DeepSpeedStrategy(Strategy):
     def check_precision(self, precision: Precision) -> None:
         from deepspeed.accelerator import get_accelerator
 
+        self.refuse_master_weights(precision, "strategy bf16=dict(enabled=True) or fp16=dict(enabled=True) "
+                                              "(DeepSpeed's fp32 masters) or precision=dict(opt_level='O1') (autocast)")
+
         if isinstance(precision, HalfPrecision):
             if precision.dtype is torch.float16 and not get_accelerator().is_fp16_supported():
                 raise ConfigError(f"strategy fp16=dict(enabled=True): DeepSpeed's {get_accelerator().device_name()} "

@@ -133,7 +133,10 @@ class FSDPStrategy(Strategy):
                              mp.get("cast_forward_inputs", True))
 
     def check_precision(self, precision: Precision) -> None:
-        """FSDP casts parameters itself (HalfPrecision) or runs under autocast: both work."""
+        """FSDP casts parameters itself (HalfPrecision) or runs under autocast: both work. Apex O2/O3
+        (memfit's master weights) is refused: FSDP's sharded fp32 parameters are the masters."""
+        self.refuse_master_weights(precision, "strategy mixed_precision=dict(param_dtype='bfloat16') (fp32 sharded "
+                                              "masters, half compute) or precision=dict(opt_level='O1') (autocast)")
 
     # -- wrapping ----------------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
