@@ -1,0 +1,72 @@
+"""Rank script: VISSL's large-scale switches on 2 processes against one process on the same global batch.
+
+* LARC (VISSL's larc_config, clip=False) under DDP and under DDP + ZeRO-1 (``OPTIMIZER.name: zero``);
+* activation checkpointing by splits (``NUM_ACTIVATION_CHECKPOINTING_SPLITS``) under FSDP, against FSDP
+  without checkpointing, with the recomputations counted;
+* Apex O2 (bf16 model, fp32 master weights) under DDP and DDP + ZeRO-1 (which shards the masters).
+
+Reuses the model and data of ``equivalence.py``; rank 0 also runs the one-process references.
+"""
+
+from __future__ import annotations
+
+import torch
+from equivalence import GLOBAL_BATCH, STEPS, Net, data, full_params
+
+from memfit import dist
+from memfit.connector import setup
+from memfit.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
+from memfit.testing import write_result
+
+LARC = dict(optimizer=dict(type="Larc", lr=0.1, momentum=0.9, weight_decay=1e-6, clip=False,
+                           trust_coefficient=0.001, eps=1e-8))
+SGD = dict(optimizer=dict(type="SGD", lr=0.1, momentum=0.9))
+SPLITS = dict(activation_checkpointing=dict(splits=3, module="blocks"))
+O2 = dict(opt_level="O2", dtype="bfloat16")
+
+
+def run(strategy, optim, *, techniques=None, precision=None, local: bool = True) -> dict:
+    torch.manual_seed(0)
+    model = Net()
+    model, wrapper = setup(model, strategy, dict(optim), techniques, precision=precision)
+    init = full_params(strategy, model)
+    calls = [0] * len(model.blocks)
+    for i, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))
+    wrapper.initialize_count_status(model, 0, -1)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if local else (0, 1)
+    losses = []
+    for step in range(STEPS):
+        x, y = data(step)
+        per_rank = GLOBAL_BATCH // world
+        x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+        loss = model.train_step((x, y), optim_wrapper=wrapper)["loss"].float()
+        losses.append(float(dist.all_reduce_mean(loss) if local else loss))
+    optimizer = wrapper.optimizer
+    inner = getattr(optimizer, "_optim_constructor", None) or type(optimizer)
+    masters = getattr(wrapper.strategy.precision, "pairs", [])
+    return {"losses": losses, "params": full_params(strategy, model), "init": init, "calls_per_step": calls,
+            "optimizer": f"{type(optimizer).__name__}({inner.__name__})",
+            "masters": [m.detach().flatten().tolist() for m, _ in masters],
+            "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+
+
+def main() -> None:
+    results = {
+        "larc_ddp": run(DDPStrategy(), LARC),
+        "larc_zero": run(DDPStrategy(zero=True), LARC),
+        "fsdp": run(FSDPStrategy(), SGD),
+        "fsdp_splits": run(FSDPStrategy(), SGD, techniques=SPLITS),
+        "ddp_o2": run(DDPStrategy(), SGD, precision=O2),
+        "ddp_zero_o2": run(DDPStrategy(zero=True), SGD, precision=O2),
+    }
+    if dist.get_rank() == 0:
+        results["ref_larc"] = run(SingleDeviceStrategy(), LARC, local=False)
+        results["ref_sgd"] = run(SingleDeviceStrategy(), SGD, local=False)
+        results["ref_o2"] = run(SingleDeviceStrategy(), SGD, precision=O2, local=False)
+    write_result(results)
+
+
+if __name__ == "__main__":
+    DDPStrategy().setup_env("pytorch")
+    main()
