@@ -2,8 +2,9 @@
 
 from memfit.model.base import BaseDataPreprocessor, BaseModel, move_to
 from memfit.model.classifier import ImageClassifier, TimmClassifier
+from memfit.model.vissl import VisslModel
 from memfit.registry import MODELS
 
 MODELS.register(BaseDataPreprocessor)
 
-__all__ = ["BaseModel", "BaseDataPreprocessor", "ImageClassifier", "TimmClassifier", "move_to"]
+__all__ = ["BaseModel", "BaseDataPreprocessor", "ImageClassifier", "TimmClassifier", "VisslModel", "move_to"]
