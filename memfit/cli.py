@@ -1,4 +1,4 @@
-"""The ``memfit`` command: train | eval | export.
+"""The ``memfit`` command: train | eval | export | convert.
 
 Every error ends in one line on stderr, ``memfit: error: ...``, never a traceback (``--debug``
 prints it as well). Exit status 2: the input was refused before training started (a ConfigError or
@@ -78,6 +78,18 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    """Print (or write) a config as a memfit Python config: how a VISSL YAML migrates for good."""
+    from memfit.config import Config, config_to_python, dump_config
+
+    cfg = Config.fromfile(args.config)
+    if args.out:
+        print(f"wrote {dump_config(cfg, args.out)}", file=sys.stderr)
+    else:
+        sys.stdout.write(f"# Translated from {args.config} by `memfit convert`.\n{config_to_python(cfg)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memfit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -115,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("checkpoint", help="memfit checkpoint (file or sharded directory)")
     x.add_argument("--out", required=True, help="output .safetensors path")
     x.set_defaults(func=_export)
+
+    c = sub.add_parser("convert", help="print a config (a VISSL YAML too) as the memfit Python config it runs as")
+    c.add_argument("config", help="config file (.py, .yaml, or a VISSL .yaml with the root key config:)")
+    c.add_argument("--out", help="write it to this .py or .yaml file instead of printing it")
+    c.set_defaults(func=_convert)
     return parser
 
 

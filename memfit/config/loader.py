@@ -5,7 +5,8 @@ start with ``_`` are helpers, and names bound by ``import``, ``def`` or ``class`
 neither becomes a key (a class imported at the top stays a value where it is used, as in
 ``type=SGD``). ``_base_`` names one file or a list of files, resolved relative to the file that
 names them; they are merged in order and the file's own keys are merged on top. Dict values merge
-recursively unless the overriding dict carries ``_delete_=True``; any other value replaces.
+recursively unless the overriding dict carries ``_delete_=True``; any other value replaces. A YAML
+file whose root key is ``config:`` is a VISSL config, translated by :mod:`memfit.config.vissl`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from memfit.config.vissl import is_vissl_config, translate_vissl
 from memfit.errors import ConfigError, nearest
 
 BASE_KEY = "_base_"
@@ -227,6 +229,11 @@ def _load(path: Path, chain: tuple[Path, ...]) -> dict:
         own = _load_python(path)
     elif path.suffix in YAML_SUFFIXES:
         own = _load_yaml(path)
+        if is_vissl_config(own):  # VISSL's dialect (root key 'config:'), translated key by key
+            try:
+                own = translate_vissl(own)
+            except ConfigError as exc:
+                raise ConfigError(f"config {path}: {exc}") from None
     else:
         raise ConfigError(
             f"config file {str(path)!r}: unsupported suffix {path.suffix!r} (use .py, .yaml or .yml)"

@@ -48,6 +48,7 @@ from memfit.optim.scheduler.param import (
 )
 from memfit.optim.scheduler.plateau import ReduceOnPlateauParamScheduler
 from memfit.optim.scheduler.state import load_scheduler_state, scheduler_state
+from memfit.optim.scheduler.vissl import VisslLR as VisslLR  # VISSL's schedules (registers 'VisslLR')
 
 _ParamScheduler = ParamScheduler  # MMEngine's name
 
