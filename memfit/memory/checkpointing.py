@@ -135,8 +135,15 @@ class CheckpointedForward(WrappedForward):
         return checkpoint(fn, *args, use_reentrant=False, **checkpoint_kwargs(regions, self.context_fn))
 
 
-def _run_segment(children: list[nn.Module]) -> Callable[[Any], Any]:
+def _run_segment(children: list[nn.Module], checkpointed: bool = False) -> Callable[[Any], Any]:
+    # A checkpointed segment keeps its input to recompute from; a first child that works in place
+    # (torchvision's ReLU(inplace=True)) would overwrite it, so such a segment starts from a copy
+    # (a temporary of the region: freed after its forward, made again when it is recomputed).
+    copy_first = checkpointed and bool(children) and getattr(children[0], "inplace", False) is True
+
     def run(x: Any) -> Any:
+        if copy_first and isinstance(x, torch.Tensor):
+            x = x.clone()
         for child in children:
             x = child(x)
         return x
@@ -170,7 +177,8 @@ class SplitCheckpointedForward(WrappedForward):
         for start in range(0, size * (self.segments - 1), size):
             end = start + size - 1
             segment = children[start:end + 1]
-            x = checkpoint(_run_segment(segment), x, use_reentrant=False, **checkpoint_kwargs(segment, None))
+            x = checkpoint(_run_segment(segment, checkpointed=True), x, use_reentrant=False,
+                           **checkpoint_kwargs(segment, None))
         return _run_segment(children[end + 1:])(x)
 
 

@@ -14,6 +14,7 @@ gradient ``(g + weight_decay * w) * ratio``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,6 +22,8 @@ from timm.optim import Lars
 
 from memfit.errors import ConfigError
 from memfit.registry import OPTIMIZERS
+
+_LARS_ARGS = inspect.signature(Lars).parameters
 
 
 @OPTIMIZERS.register()
@@ -52,8 +55,10 @@ class Larc(Lars):
         clip = trust_clip if clip is None else clip
         trust_clip = True if clip is None else bool(clip)
         trust_coeff = trust_coeff if trust_coeff is not None else trust_coefficient
+        # ``foreach`` is newer than some timm releases' Lars: passed only when given and accepted.
+        extra = {"foreach": foreach} if foreach is not None and "foreach" in _LARS_ARGS else {}
         super().__init__(
             params, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
             nesterov=nesterov, trust_coeff=0.001 if trust_coeff is None else trust_coeff, eps=eps,
-            trust_clip=trust_clip, always_adapt=always_adapt, foreach=foreach,
+            trust_clip=trust_clip, always_adapt=always_adapt, **extra,
         )

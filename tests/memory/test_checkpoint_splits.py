@@ -222,3 +222,24 @@ def test_through_the_connector_setup() -> None:
     model = Trunked()
     model, _ = setup(model, SingleDeviceStrategy(), None, dict(activation_checkpointing=dict(splits=4, module="trunk")))
     assert isinstance(model.trunk.__dict__.get("forward"), ckpt.SplitCheckpointedForward)
+
+
+def test_segments_starting_in_place_match_a_stock_torchvision_resnet():
+    # torchvision's ReLU(inplace=True) as a segment's first child would overwrite the input the
+    # checkpoint recomputes from; such a segment starts from a copy, so the result stays exact.
+    import torchvision
+
+    torch.manual_seed(0)
+    r = torchvision.models.resnet18(num_classes=4)
+    trunk = nn.Sequential(r.conv1, r.bn1, r.relu, r.maxpool, r.layer1, r.layer2, r.layer3, r.layer4, r.avgpool,
+                          nn.Flatten(), r.fc)
+    ref = copy.deepcopy(trunk)
+    x = torch.randn(2, 3, 32, 32)
+    want = ref(x).sum()
+    want.backward()
+    apply_activation_checkpointing(trunk, dict(splits=8))  # one child per segment: 'relu' starts one
+    got = trunk(x).sum()
+    got.backward()
+    assert torch.equal(got, want)
+    for a, b in zip(trunk.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)
