@@ -74,18 +74,14 @@ def _named_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().cpu().clone() for n, p in sorted(model.named_parameters()) if p.grad is not None}
 
 
-def optimizer_name(optimizer: Any) -> str:
-    """The optimizer's class name; ZeRO-1's wrapper reports the optimizer it shards (AdamW, ...),
-    so a ZeRO checkpoint resumes on one device or without ZeRO and vice versa. Several optimizers
-    (an OptimWrapperDict): ``name=Class`` pairs."""
-    if hasattr(optimizer, "optim_wrappers"):
-        return ",".join(f"{n}={optimizer_name(w.optimizer)}" for n, w in optimizer.items())
-    inner = getattr(optimizer, "_optim_constructor", None)
-    return getattr(inner, "__name__", None) or type(optimizer).__name__
-
-
-def _optimizer_of(wrapper: Any) -> Any:
-    return wrapper if hasattr(wrapper, "optim_wrappers") else wrapper.optimizer
+def optimizer_name(wrapper: Any) -> str:
+    """The class name of the wrapper's optimizer; ZeRO-1's wrapper reports the optimizer it shards
+    (AdamW, ...), so a ZeRO checkpoint resumes on one device or without ZeRO and vice versa. Several
+    optimizers (an OptimWrapperDict): ``name=Class`` pairs."""
+    if hasattr(wrapper, "optim_wrappers"):
+        return ",".join(f"{n}={optimizer_name(w)}" for n, w in wrapper.items())
+    inner = getattr(wrapper.optimizer, "_optim_constructor", None)
+    return getattr(inner, "__name__", None) or type(wrapper.optimizer).__name__
 
 
 def collect_state(runner: Any, meta: dict, *, save_optimizer: bool = True, save_param_scheduler: bool = True) -> dict:
@@ -106,7 +102,7 @@ def collect_state(runner: Any, meta: dict, *, save_optimizer: bool = True, save_
             "torch_version": str(torch.__version__),
             "world_size": dist.get_world_size(),
             "seed": runner.seed,
-            "optimizer": optimizer_name(_optimizer_of(wrapper)) if wrapper is not None else None,
+            "optimizer": optimizer_name(wrapper) if wrapper is not None else None,
             "cfg": to_plain(runner._cfg_to_dump) if runner._cfg_to_dump is not None else None,
             **to_plain(meta),
         },
@@ -178,10 +174,10 @@ def _restore_optimization(runner: Any, model: torch.nn.Module, wrapper: Any, sta
         runner.logger.warning(f"{path}: holds no optimizer state (saved with save_optimizer=False): "
                               "the optimizer starts afresh")
     else:
-        saved = state["meta"].get("optimizer")
-        if saved and saved != optimizer_name(_optimizer_of(wrapper)):
+        saved, built = state["meta"].get("optimizer"), optimizer_name(wrapper)
+        if saved and saved != built:
             raise CheckpointError(
-                f"{path}: saved with optimizer {saved}, the config builds {optimizer_name(_optimizer_of(wrapper))}: "
+                f"{path}: saved with optimizer {saved}, the config builds {built}: "
                 "resume with the same optimizer, or start from the weights with load_from"
             )
         try:

@@ -133,16 +133,16 @@ def _optimizer(saved: dict, path: Path, model: nn.Module, wrapper: Any, key: str
     live_name = {id(p): n for n, p in model.named_parameters()}
     state, groups, group_map, pos = {}, [], [], 0
     for group in wrapper.optimizer.param_groups:
-        ids = []
+        ids, first = [], None
         for p in group["params"]:
             j = index_of[live_name[id(p)]]
             if j not in saved_group_of:
                 raise CheckpointError(f"{path}: {key} has no entry for parameter {live_name[id(p)]!r}")
             if j in saved["state"]:
                 state[pos] = saved["state"][j]
+            first = saved_group_of[j] if first is None else first
             ids.append(pos)
             pos += 1
-        first = saved_group_of[index_of[live_name[id(group["params"][0])]]]
         options = {k: v for k, v in saved["param_groups"][first].items() if k not in ("params", "param_names")}
         groups.append({**options, "params": ids, **({"param_names": group["param_names"]} if "param_names" in group
                                                      else {})})
@@ -160,8 +160,7 @@ def _remap_groups(sched: dict, group_map: list[int] | None) -> dict:
         values = sched.get(key)
         if not isinstance(values, list) or not values:
             continue
-        saved_groups = len(values) - 1 if len(values) > 1 else 1  # >1 groups: the last is the base pseudo group
-        base = values[-1] if len(values) > 1 else values[0]
-        mapped = [values[g] if g < saved_groups else base for g in group_map]
-        out[key] = mapped + [base] if len(group_map) > 1 else mapped
+        # With several saved groups the last entry is the base pseudo group; one group is its own base.
+        mapped = [values[g] for g in group_map]
+        out[key] = mapped + [values[-1]] if len(group_map) > 1 else mapped
     return out

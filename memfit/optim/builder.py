@@ -119,11 +119,12 @@ class MultiOptimWrapperConstructor:
             if isinstance(sub, OptimWrapper):
                 wrappers[name] = sub
                 continue
-            module = model.get_submodule(name) if _has_submodule(model, name) else None
-            if module is None:
+            try:
+                module = model.get_submodule(name)
+            except AttributeError:
                 children = [n for n, _ in model.named_children()]
                 raise ConfigError(f"optim_wrapper.{name}: the model has no submodule {name!r} to optimize "
-                                  f"(its children: {children})")
+                                  f"(its children: {children})") from None
             sub = dict(sub)
             if sub.get("constructor") is not None:
                 wrappers[name] = build_optim_wrapper(module, sub)
@@ -131,14 +132,6 @@ class MultiOptimWrapperConstructor:
                 paramwise = sub.pop("paramwise_cfg", None)
                 wrappers[name] = _build_one_wrapper(module, sub, paramwise, False, key=f"optim_wrapper.{name}")
         return OptimWrapperDict(**wrappers)
-
-
-def _has_submodule(model: nn.Module, name: str) -> bool:
-    try:
-        model.get_submodule(name)
-    except AttributeError:
-        return False
-    return True
 
 
 def scale_lr_cfg(cfg: Any, auto_scale_lr: dict | None, real_batch_size: Callable[[], int]) -> Any:
