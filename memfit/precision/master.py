@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from memfit.errors import ConfigError, did_you_mean, warn_ignored
 from memfit.precision.autocast import amp_precision
@@ -101,13 +102,10 @@ def precision_from_cfg(cfg: Any, device_type: str) -> Precision | None:
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
     """Floating tensors (nested in lists, tuples, dicts) cast to ``dtype``; anything else as it is."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_cast(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return type(value)({k: _cast(v, dtype) for k, v in value.items()})
-    return value
+    def leaf(x: Any) -> Any:
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype else x
+
+    return tree_map(leaf, value)
 
 
 class CastInputs:
