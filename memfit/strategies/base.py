@@ -87,7 +87,9 @@ class Strategy:
 
     # -- model and optimizer -----------------------------------------------------------------
     def to_device(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.device)
+        tensors = [*model.parameters(), *model.buffers()]
+        if any(t.device != self.device for t in tensors):  # a no-op move would swap fake tensors, which fails
+            model = model.to(self.device)
         pre = getattr(model, "data_preprocessor", None)
         if pre is not None and hasattr(pre, "device"):
             pre.device = self.device

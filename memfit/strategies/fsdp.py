@@ -140,6 +140,7 @@ class FSDPStrategy(Strategy):
 
     # -- wrapping ----------------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -150,7 +151,8 @@ class FSDPStrategy(Strategy):
         warn_device_id(self.device_id, self.device)
         if self.sync_module_states and dist.get_world_size() > 1:
             _broadcast_module_states(model)
-        mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
+        with unset_fake_temporarily():  # the planner wraps fake models: the mesh itself is real
+            mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.cpu_offload else OffloadPolicy()
         if isinstance(self.precision, HalfPrecision):
             mp = MixedPrecisionPolicy(**self.precision.fsdp_policy_kwargs())
