@@ -1,4 +1,4 @@
-"""The ``memfit`` command: train | eval | export | convert.
+"""The ``memfit`` command: train | plan | bench | eval | export | convert.
 
 Every error ends in one line on stderr, ``memfit: error: ...``, never a traceback (``--debug``
 prints it as well). Exit status 2: the input was refused before training started (a ConfigError or
@@ -54,8 +54,28 @@ def _train(args: argparse.Namespace) -> int:
             print(f"memfit: --amp ignored: optim_wrapper.type is {ow.get('type')!r}", file=sys.stderr)
     if args.resume is not None:
         cfg["resume"] = True if args.resume == "auto" else args.resume
+    if args.auto_fit is not None:
+        cfg["auto_fit"] = {**_auto_fit_cfg(cfg), **({"budget": args.auto_fit} if args.auto_fit != "free" else {})}
     Runner.from_cfg(cfg).train()
     return 0
+
+
+def _auto_fit_cfg(cfg: Any) -> dict:
+    from memfit.planner.autofit import auto_fit_options
+
+    return auto_fit_options(cfg.get("auto_fit") or True)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from memfit.planner.commands import plan_command
+
+    return plan_command(args, _load_cfg(args).to_dict())
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from memfit.planner.commands import bench_command
+
+    return bench_command(args, _load_cfg(args).to_dict())
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -116,7 +136,41 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--rdzv-endpoint", help="host:port of a c10d rendezvous instead of --node-rank/--master-addr")
     t.add_argument("--resume", nargs="?", const="auto", default=None,
                    help="resume from the latest checkpoint in the work dir, or from the given file")
+    t.add_argument("--auto-fit", nargs="?", const="free", metavar="BUDGET",
+                   help="train with the fastest plan the planner predicts to fit BUDGET per rank (e.g. 24GiB; "
+                        "default: the GPU's free memory); with --gpus N it plans for N ranks")
     t.set_defaults(func=_train)
+
+    def target(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--device", choices=["cpu", "cuda"], help="predict for this CPU or this machine's GPU "
+                       "(default: the GPU if there is one, else the CPU)")
+        p.add_argument("--gpu", metavar="NAME", help="predict for a GPU of the planner's table: 3090, 4090, A100-40, "
+                       "A100-80, H100, L4, T4, ... (docs/planner.md)")
+        p.add_argument("--gpu-mem", metavar="SIZE", help="predict for a GPU with this much memory (e.g. 24GiB)")
+
+    p = sub.add_parser("plan", help="predict per-rank peak memory and relative step time of every plan (no GPU "
+                       "needed)")
+    common(p)
+    target(p)
+    p.add_argument("--gpus", type=int, default=1, metavar="N", help="ranks per machine (default 1)")
+    p.add_argument("--nodes", type=int, default=1, metavar="M", help="machines (default 1)")
+    p.add_argument("--budget", metavar="SIZE", help="memory per rank the plan must fit (default: the device's)")
+    p.add_argument("--as-is", action="store_true", help="predict only the configured plan")
+    p.add_argument("--json", metavar="PATH", help="write the plans as JSON")
+    p.add_argument("--png", metavar="PATH", help="chart path (default: WORK_DIR/plan.png)")
+    p.add_argument("--top", type=int, default=25, help="rows to print (default 25, fastest first)")
+    p.add_argument("--all", action="store_true", help="print every plan")
+    p.set_defaults(func=_plan)
+
+    b = sub.add_parser("bench", help="measure plans on this device beside the planner's predictions")
+    common(b)
+    target(b)
+    b.add_argument("--plans", metavar="NAME,...", help="plans by name, e.g. 'fp32,bf16 ac:blocks,fp32 mb8x4' "
+                   "(default: the configured plan and each technique alone)")
+    b.add_argument("--steps", type=int, default=3, metavar="K", help="timed steps per plan, median (default 3)")
+    b.add_argument("--json", metavar="PATH", help="write the table as JSON")
+    b.add_argument("--out", metavar="PATH", help="CSV/PNG path without suffix (default: WORK_DIR/bench)")
+    b.set_defaults(func=_bench, nodes=1)
 
     e = sub.add_parser("eval", help="evaluate a checkpoint on the config's test (or val) data")
     common(e)

@@ -154,9 +154,17 @@ class Runner:
         validate_config(cfg)
         if "work_dir" not in cfg:
             raise ConfigError("work_dir is not set: add work_dir='./work_dirs/NAME' or pass --work-dir")
+        fitted = None
+        if cfg.get("auto_fit"):  # the fastest predicted plan within the budget (memfit.planner.autofit)
+            from memfit.planner.autofit import apply_auto_fit
+
+            cfg, fitted = apply_auto_fit(cfg, cfg["auto_fit"])
         kwargs = {k: copy_cfg(v) for k, v in cfg.items() if k in RUNNER_KEYS and k != "cfg"}
         kwargs["cfg"] = {**(cfg.get("cfg") or {}), **{k: cfg[k] for k in TECHNIQUE_KEYS + HELPER_KEYS if k in cfg}}
+        kwargs["cfg"].pop("auto_fit", None)
         runner = cls(**kwargs)
+        if fitted:
+            runner.logger.info(fitted)
         runner._cfg_to_dump = cfg
         return runner
 

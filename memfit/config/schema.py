@@ -60,6 +60,7 @@ TECHNIQUE_KEYS: tuple[str, ...] = (
     "optimizer_in_backward",
     "activation_offload",
     "memory_monitor",
+    "auto_fit",  # dict(budget='24GiB', gpus=8): memfit.planner.autofit, applied by Runner.from_cfg
 )
 
 # MMEngine config variables that other keys are built from (``visualizer = dict(vis_backends=vis_backends)``);

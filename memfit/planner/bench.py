@@ -1,0 +1,108 @@
+"""``memfit bench``: measure plans on this device, beside the planner's prediction of each.
+
+Each plan gets a fresh model (seed 0) set up by the runner's own code (:func:`memfit.connector.setup`),
+one warm-up optimizer step (so the optimizer state exists, as in every later step), one step under
+memfit's tracker (CPU: live tensor storage; CUDA: ``max_memory_allocated``, and ``memory_reserved``
+beside it) and ``steps`` timed steps whose median is the step time. Times are reported as a ratio to
+the first plan measured in the same run. Under torchrun every rank measures and rank 0 reports its own.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memfit.memory.measure import MemoryTracker
+from memfit.planner.fake import first_batch
+from memfit.planner.space import ModelFacts, Plan
+
+
+@dataclass
+class Measured:
+    plan: Plan
+    peak_bytes: int
+    breakdown: dict[str, int]
+    reserved: int
+    seconds: float
+    rel_step_time: float = 1.0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_plan(cfg: dict, plan: Plan, facts: ModelFacts, steps: int = 3, batch: Any = None) -> Measured:
+    """Peak bytes (tracker) and median optimizer-step seconds of ``plan`` applied to ``cfg``, on the
+    device the strategy picks (this process's GPU, else the CPU)."""
+    from memfit.connector import setup
+    from memfit.optim.builder import scale_lr_cfg
+    from memfit.precision import precision_options
+    from memfit.registry import MODELS
+    from memfit.strategies import build_strategy
+
+    run_cfg = plan.apply(cfg, facts)
+    torch.manual_seed(0)
+    strategy = build_strategy(run_cfg.get("strategy") or ("ddp" if torch.distributed.is_initialized() else None))
+    model = MODELS.build(run_cfg["model"], key="model")
+    techniques = {**(run_cfg.get("cfg") or {}), **{k: run_cfg[k] for k in ("activation_checkpointing",
+                                                                            "efficient_conv_bn_eval") if k in run_cfg}}
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    optim_cfg = scale_lr_cfg(run_cfg["optim_wrapper"], run_cfg.get("auto_scale_lr"),
+                             lambda: run_cfg["train_dataloader"]["batch_size"] * world)
+    model, wrapper = setup(model, strategy, optim_cfg, techniques,
+                           precision=precision_options(run_cfg.get("precision")))
+    model.train()
+    batch = batch if batch is not None else first_batch(run_cfg["train_dataloader"])
+    k = plan.accumulative_counts
+    device = strategy.device
+    wrapper.initialize_count_status(model, 0, (steps + 2) * k)
+
+    def step() -> None:
+        for _ in range(k):
+            model.train_step(batch, optim_wrapper=wrapper)
+
+    step()  # warm-up: optimizer state
+    _sync(device)
+    with MemoryTracker(model, wrapper.optimizer, device=device) as tracker:
+        step()
+    reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else tracker.peak_bytes
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return Measured(plan, tracker.peak_bytes, dict(tracker.breakdown), reserved, statistics.median(times))
+
+
+def bench(cfg: dict, plans: list[Plan], facts: ModelFacts, steps: int = 3, progress: bool = False) -> list[Measured]:
+    """Measure ``plans`` in order; times relative to the first."""
+    bar = None
+    if progress:
+        import sys
+
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(plans), desc="memfit bench", unit="plan", leave=False, file=sys.stderr)
+    out = []
+    try:
+        for plan in plans:
+            if bar is not None:
+                bar.set_postfix_str(plan.name)
+            out.append(measure_plan(cfg, plan, facts, steps))
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    for m in out:
+        m.rel_step_time = m.seconds / out[0].seconds
+    return out

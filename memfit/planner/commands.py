@@ -1,0 +1,170 @@
+"""``memfit plan`` and ``memfit bench``: the command-line faces of the planner and the bench."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import ConfigError
+from memfit.planner.devices import Device, custom_gpu, gpu, parse_bytes, this_cpu
+from memfit.planner.space import PRECISIONS, SHARDINGS, Plan
+
+
+def _device(args: Any) -> Device:
+    import torch
+
+    if args.gpu:
+        device = gpu(args.gpu)
+    elif args.gpu_mem:
+        device = custom_gpu(parse_bytes(args.gpu_mem, "--gpu-mem"))
+    elif args.device == "cpu" or (args.device is None and not torch.cuda.is_available()):
+        device = this_cpu()
+    else:
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no GPU here; name the target with --gpu H100 (or --gpu-mem 24GiB)")
+        from memfit.planner.devices import current_cuda
+
+        device = current_cuda()
+    if args.nodes > 1:  # ranks on other machines talk over the network (InfiniBand 200 Gb/s: ~25 GB/s)
+        device = replace(device, link_bw=min(device.link_bw, 25.0))
+    return device
+
+
+def plan_command(args: Any, cfg: dict) -> int:
+    from memfit.planner.predict import predict
+    from memfit.planner.report import plan_table, summary, write_json, write_png
+
+    device = _device(args)
+    budget = parse_bytes(args.budget) if args.budget else None
+    world = args.gpus * args.nodes
+    pred = predict(cfg, device=device, world_size=world, budget=budget, as_is=args.as_is,
+                   progress=sys.stderr.isatty())
+    print(plan_table(pred, None if args.all else args.top))
+    shown = len(pred.results) if args.all else min(args.top, len(pred.results))
+    if shown < len(pred.results):
+        print(f"({shown} fastest of {len(pred.results)} plans; --all shows every one)")
+    print(summary(pred))
+    print(f"planned in {pred.seconds:.1f} s on fake tensors; peak = "
+          + ("reserved + CUDA context + NCCL buffers (see docs/planner.md)" if device.cuda else "live tensor bytes"))
+    work = Path(cfg["work_dir"])
+    png = write_png(pred, args.png or work / "plan.png")
+    print(f"wrote {png}")
+    if args.json:
+        print(f"wrote {write_json(pred, args.json)}")
+    return 0
+
+
+def parse_plan(name: str, base: Plan) -> Plan:
+    """A plan from its name ('bf16 ac:blocks fsdp mb8x4'); axes left out keep ``base``'s values."""
+    fields: dict[str, Any] = {"activation_checkpointing": "none", "sharding": "none", "offload": "none",
+                              "efficient_conv_bn_eval": False}
+    for token in name.split():
+        if token in PRECISIONS:
+            fields["precision"] = token
+        elif token.startswith("ac:"):
+            fields["activation_checkpointing"] = token[3:]
+        elif token in SHARDINGS:
+            fields["sharding"] = token
+        elif token.startswith("offload:"):
+            fields["offload"] = token[8:]
+        elif token == "conv-bn":
+            fields["efficient_conv_bn_eval"] = True
+        elif token.startswith("mb") and "x" in token:
+            mb, k = token[2:].split("x")
+            fields["micro_batch"], fields["accumulative_counts"] = int(mb), int(k)
+        elif token == "configured":
+            return base
+        else:
+            raise ConfigError(f"--plans: {token!r} in {name!r} is not a plan word: fp32|bf16|fp16, ac:none|stages|"
+                              "blocks|every2|selective|firstN, none|zero1|zero2|fsdp, offload:params, conv-bn, mbBxK")
+    return replace(base, configured=False, **fields)
+
+
+def default_bench_plans(configured: Plan, facts: Any, device: Device) -> list[Plan]:
+    """The configured plan, then each technique alone and a few combinations, at one rank."""
+    base = replace(configured, configured=False, sharding="none", offload="none")
+    half = "bf16" if device.dtype_tflops("bf16") else "fp16"
+    plans = [configured, replace(base, precision="fp32"), replace(base, precision=half)]
+    if facts.block_types:
+        plans += [replace(base, activation_checkpointing=a) for a in ("blocks", "every2", "selective")]
+        plans.append(replace(base, precision=half, activation_checkpointing="blocks"))
+    if facts.stages:
+        plans.append(replace(base, activation_checkpointing="stages"))
+    if facts.frozen_bn:
+        plans.append(replace(base, efficient_conv_bn_eval=True))
+    if configured.micro_batch > 1:
+        mb = configured.micro_batch // 2
+        plans.append(replace(base, micro_batch=mb, accumulative_counts=configured.accumulative_counts
+                             * configured.micro_batch // mb))
+    return list(dict.fromkeys(plans))
+
+
+def bench_command(args: Any, cfg: dict) -> int:
+    import torch
+
+    from memfit.planner.bench import bench
+    from memfit.planner.fake import build_meta_model
+    from memfit.planner.predict import predict
+    from memfit.planner.report import GB, write_csv
+    from memfit.planner.space import ModelFacts, configured_plan
+
+    device = _device(args)
+    facts = ModelFacts.of(build_meta_model(cfg["model"]))
+    configured = configured_plan(cfg, facts, device.cuda)
+    plans = [parse_plan(n.strip(), configured) for n in args.plans.split(",")] if args.plans else \
+        default_bench_plans(configured, facts, device)
+    pred = predict(cfg, device=device, world_size=1, budget=None, progress=sys.stderr.isatty(), verify=False)
+    predicted = {r.plan: r for r in pred.results}
+    measured = bench(cfg, plans, facts, steps=args.steps, progress=sys.stderr.isatty())
+    base_pred = predicted.get(measured[0].plan)
+    cuda = torch.cuda.is_available()
+    rows = []
+    for m in measured:
+        p = predicted.get(m.plan)
+        row = {"plan": m.plan.name, "measured_peak_gb": round(m.peak_bytes / GB, 4),
+               "predicted_peak_gb": round((p.allocated if p else 0) / GB, 4),
+               "peak_error_pct": round(100 * ((p.allocated if p else 0) - m.peak_bytes) / m.peak_bytes, 2) if p else "",
+               "measured_rel_time": round(m.rel_step_time, 3),
+               "predicted_rel_time": round(p.seconds / base_pred.seconds, 3) if p and base_pred else "",
+               "step_seconds": round(m.seconds, 4)}
+        if cuda:
+            row["measured_reserved_gb"] = round(m.reserved / GB, 4)
+            row["predicted_reserved_gb"] = round((p.reserved if p else 0) / GB, 4)
+        rows.append(row)
+    print("| " + " | ".join(rows[0]) + " |")
+    print("|" + "---|" * len(rows[0]))
+    for row in rows:
+        print("| " + " | ".join(str(v) for v in row.values()) + " |")
+    out = Path(args.out or Path(cfg["work_dir"]) / "bench")
+    print(f"wrote {write_csv(rows, out.with_suffix('.csv'))}")
+    print(f"wrote {_bench_png(rows, out.with_suffix('.png'))}")
+    if args.json:
+        import json
+
+        Path(args.json).write_text(json.dumps({"device": device.name, "plans": rows}, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _bench_png(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 0.4 * len(rows) + 1.5))
+    names = [r["plan"] for r in rows][::-1]
+    ax.barh(names, [r["measured_peak_gb"] for r in rows][::-1], color="tab:blue", label="measured")
+    ax.scatter([r["predicted_peak_gb"] for r in rows][::-1], names, color="tab:red", zorder=3, label="predicted")
+    for y, r in enumerate(rows[::-1]):
+        ax.annotate(f"{r['measured_rel_time']:.2f}x", (r["measured_peak_gb"], y), fontsize=7, xytext=(4, -3),
+                    textcoords="offset points")
+    ax.set_xlabel("peak GB (bars: measured, dots: predicted); labels: measured step time ratio")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

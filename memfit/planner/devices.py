@@ -1,0 +1,153 @@
+"""Targets the planner predicts for: a table of GPUs (memory, bandwidths, dense TFLOPs) and the CPU
+this process runs on (its throughput measured in a few milliseconds), plus what a CUDA device holds
+beyond the tensors the fake step shows.
+
+The fake step runs on CPU tensors, so the CUDA figures add what CPU tensors cannot show (module
+constants below, each with its source): the caching allocator's rounding and segment slack
+("reserved" beyond "allocated"), the cuBLAS workspace (allocated through the caching allocator), the
+CUDA context and NCCL's buffers (outside the allocator: in nvidia-smi, not in ``memory_reserved``).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from memfit.errors import ConfigError
+
+GiB = 2**30
+MiB = 2**20
+
+# CUDA extras. cuBLAS: torch's default workspace is 4 MiB x 8 chunks on Hopper (":4096:8") and less on
+# older GPUs; 32 MiB covers both. Context: 500-600 MiB for CUDA 12 with lazy module loading on
+# A100/H100 (nvidia-smi minus memory_reserved). NCCL: its channel buffers (4 MiB NCCL_BUFFSIZE x 2
+# x channels x peers), about 250-400 MiB per rank for 8 GPUs. Allocator slack: reserved / allocated
+# runs 1.02-1.15 on vision models with the default allocator; 8% is used (expandable_segments=True
+# brings it near 1.0).
+CUBLAS_WORKSPACE = 32 * MiB
+CUDA_CONTEXT = 560 * MiB
+NCCL_BUFFERS = 320 * MiB
+ALLOCATOR_SLACK = 0.08
+BLOCK = 512  # every CUDA allocation is rounded up to a multiple of 512 bytes
+
+
+@dataclass(frozen=True)
+class Device:
+    """A training device. ``tflops``: dense peak per dtype (fp32 without TF32, as torch's matmul
+    default); ``mem_bw``/``link_bw``/``host_bw`` in GB/s: device memory, the interconnect between
+    ranks (NVLink or PCIe), and host<->device (offload). ``launch_us``: fixed cost per operator."""
+
+    name: str
+    memory: int
+    tflops: dict[str, float]
+    mem_bw: float
+    link_bw: float
+    host_bw: float
+    launch_us: float = 6.0
+    efficiency: float = 0.5  # fraction of peak FLOPs vision training reaches
+    cuda: bool = True
+
+    def dtype_tflops(self, precision: str) -> float | None:
+        return self.tflops.get(precision)
+
+
+def _gpu(name: str, gib: float, fp32: float, half: float, mem_bw: float, link_bw: float, host_bw: float,
+         bf16: bool = True) -> Device:
+    tflops = {"fp32": fp32, "fp16": half}
+    if bf16:
+        tflops["bf16"] = half
+    return Device(name, int(gib * GiB), tflops, mem_bw, link_bw, host_bw)
+
+
+# Vendor data sheets: memory, dense (no sparsity) fp32 / fp16-bf16 tensor TFLOPs with fp32 accumulation,
+# memory bandwidth, interconnect (NVLink per GPU, else PCIe), host link (PCIe).
+GPUS: dict[str, Device] = {d.name: d for d in (
+    _gpu("T4", 15.0, 8.1, 65, 320, 12, 12, bf16=False),
+    _gpu("V100-16", 16, 15.7, 125, 900, 150, 12, bf16=False),
+    _gpu("V100-32", 32, 15.7, 125, 900, 150, 12, bf16=False),
+    _gpu("3090", 24, 35.6, 71, 936, 25, 25),
+    _gpu("4090", 24, 82.6, 165, 1008, 25, 25),
+    _gpu("A10", 24, 31.2, 125, 600, 25, 25),
+    _gpu("L4", 24, 30.3, 121, 300, 25, 25),
+    _gpu("A6000", 48, 38.7, 155, 768, 25, 25),
+    _gpu("L40S", 48, 91.6, 362, 864, 25, 25),
+    _gpu("A100-40", 40, 19.5, 312, 1555, 300, 25),
+    _gpu("A100-80", 80, 19.5, 312, 2039, 300, 25),
+    _gpu("H100", 80, 67, 989, 3350, 450, 55),
+    _gpu("H100-PCIe", 80, 51, 756, 2000, 64, 55),
+    _gpu("H200", 141, 67, 989, 4800, 450, 55),
+)}
+
+
+def parse_bytes(text: str | int | float, key: str = "--budget") -> int:
+    """'24GiB', '24GB' (both read as GiB, as nvidia-smi's "24GB" cards hold 24 GiB), '500MiB', or bytes."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", str(text))
+    if not m:
+        raise ConfigError(f"{key}={text!r}: not a size; write e.g. 24GiB, 24GB or 500MiB")
+    scale = {"": 1, "k": 2**10, "m": MiB, "g": GiB, "t": 2**40}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+def gpu(name: str) -> Device:
+    """A GPU of the table by name, case- and dash-insensitive ('h100', 'A100-80', 'rtx4090')."""
+    def key(s: str) -> str:
+        return re.sub(r"[^0-9a-z]", "", s.lower()).removeprefix("rtx").removeprefix("nvidia")
+
+    for d in GPUS.values():
+        if key(d.name) == key(name):
+            return d
+    from memfit.errors import did_you_mean
+
+    raise ConfigError(f"--gpu {name!r}: not in the planner's table: {did_you_mean(name, list(GPUS))} "
+                      "(or give --gpu-mem 24GiB)")
+
+
+def custom_gpu(memory: int, like: str = "4090") -> Device:
+    """A GPU known only by its memory: the speeds of ``like`` (a 24 GB consumer card by default)."""
+    return replace(GPUS[like], name=f"GPU {memory / GiB:.0f}GiB", memory=memory)
+
+
+def current_cuda() -> Device:
+    """The GPU this process sees: its name matched in the table (else an H100's speeds), its memory."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    base = next((d for n, d in GPUS.items() if n.split("-")[0] in props.name), GPUS["H100"])
+    return replace(base, name=props.name, memory=props.total_memory)
+
+
+def this_cpu(seconds: float = 0.05) -> Device:
+    """This machine's CPU as a target: fp32 and bf16-autocast GEMM throughput measured now (bf16 is
+    emulated and several times slower on CPUs without AVX512-BF16/AMX), per-op cost measured too."""
+    def rate(dtype: torch.dtype | None) -> float:
+        a, b = torch.randn(256, 256), torch.randn(256, 256)
+        ctx = torch.autocast("cpu", dtype=dtype) if dtype else torch.autocast("cpu", enabled=False)
+        with ctx:
+            torch.mm(a, b)
+            n, start = 0, time.perf_counter()
+            while time.perf_counter() - start < seconds:
+                torch.mm(a, b)
+                n += 1
+        return 2 * 256**3 * n / (time.perf_counter() - start) / 1e12
+
+    x = torch.randn(8)
+    start = time.perf_counter()
+    for _ in range(2000):
+        x = x + 1
+    launch_us = (time.perf_counter() - start) / 2000 * 1e6
+    tflops = {"fp32": rate(None), "bf16": rate(torch.bfloat16), "fp16": rate(torch.float16)}
+    # Ranks on one CPU talk through gloo over loopback (~1 GB/s); "offload" to the host is a copy.
+    return Device(f"cpu ({torch.backends.cpu.get_cpu_capability()})", _host_memory(), tflops, mem_bw=20,
+                  link_bw=1, host_bw=20, launch_us=launch_us, efficiency=1.0, cuda=False)
+
+
+def _host_memory() -> int:
+    try:
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * GiB

@@ -1,0 +1,250 @@
+"""One training step of a config on fake tensors, at any world size, measured by memfit's tracker.
+
+The model is built on ``meta`` and materialised inside ``FakeTensorMode``, so a 197M-parameter
+Swin-L costs no memory and no FLOPs here; the strategy's own code (DDP, ZeRO-1, FSDP2) wraps it
+over a fake process group of N ranks in this one process, so sharding is the real code path, not a
+formula. The step is the runner's: :func:`memfit.connector.setup` applies precision, memory
+techniques and strategy, and ``model.train_step`` runs the optimizer wrapper's micro-steps.
+
+Two kinds of run (:func:`measure_step`):
+
+- ``full``: two optimizer steps of k micro-steps each, so the optimizer state exists; the peaks of
+  the second step's forward/backward phase and optimizer phase are reported apart (the planner
+  composes them) with the tracker's breakdown at each.
+- ``forward_backward``: one micro-step without an optimizer step, for the activation side of a plan
+  (its peak, FLOPs including recomputation, and operator count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memfit.errors import ConfigError
+from memfit.memory.measure import MemoryTracker
+
+# Collectives by kind: an all-gather's traffic is its output, a reduce-scatter's its input.
+_GATHER = ("all_gather", "allgather", "_allgather_base")
+_REDUCE = ("reduce_scatter", "all_reduce", "allreduce", "_reduce_scatter_base")
+_BROADCAST = ("broadcast",)
+
+
+@dataclass
+class Phase:
+    """Peak bytes of a phase and the tracker's breakdown at that peak."""
+
+    peak: int = 0
+    breakdown: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class StepMeasurement:
+    """What one fake run measured (per rank). ``flops``: one micro-step's forward and backward,
+    recomputation included. ``comm``: bytes per optimizer step by kind (gather | reduce | broadcast)."""
+
+    peak: int
+    breakdown: dict[str, int]
+    forward_backward: Phase
+    optimizer: Phase
+    flops: int = 0
+    ops: int = 0
+    comm: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[None]:
+    """A fake process group of ``world_size`` ranks in this process (rank 0), torn down afterwards.
+
+    Collectives return at once; DDP's constructor checks (which read tensor values) are skipped and
+    its reducer's all-reduce is replaced by a hook returning the bucket, as an in-place all-reduce
+    leaves it. Refused inside a real process group: plan before launching, or in a subprocess.
+    """
+    from torch.nn.parallel import distributed as ddp_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if tdist.is_initialized():
+        raise ConfigError("the planner runs before training starts, outside a process group: run `memfit plan` "
+                          "(or --auto-fit) from one process, not under torchrun")
+    tdist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    verify = ddp_module._verify_param_shape_across_processes
+    ddp_module._verify_param_shape_across_processes = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        ddp_module._verify_param_shape_across_processes = verify
+        tdist.destroy_process_group()
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts operators, FLOPs (torch.utils.flop_counter's formulas) and collective bytes by kind."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.utils.flop_counter import flop_registry
+
+        self.registry = flop_registry
+        self.flops = 0
+        self.ops = 0
+        self.comm = {"gather": 0, "reduce": 0, "broadcast": 0}
+        self.counting = True
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.counting:
+            return out
+        self.ops += 1
+        packet = func._overloadpacket
+        if packet in self.registry:
+            self.flops += self.registry[packet](*args, **kwargs, out_val=out)
+        elif func.namespace in ("c10d", "_c10d_functional"):
+            name = func.__name__
+            kind = next((k for k, names in (("gather", _GATHER), ("reduce", _REDUCE), ("broadcast", _BROADCAST))
+                         if any(n in name for n in names)), None)
+            if kind is not None:
+                tensors = [t for t in torch.utils._pytree.tree_leaves((args, out)) if isinstance(t, torch.Tensor)]
+                self.comm[kind] += max((t.numel() * t.element_size() for t in tensors), default=0)
+        return out
+
+
+class _Phases:
+    """Splits a tracker's peak into the forward/backward phase and the optimizer phase of the last
+    optimizer step, through the global optimizer step hooks."""
+
+    def __init__(self, tracker: MemoryTracker) -> None:
+        self.tracker = tracker
+        self.fb = Phase()
+        self.opt = Phase()
+        self.depth = 0  # ZeRO-1's step calls the inner optimizer's: only the outermost step is a phase
+        self._handles = [register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post)]
+
+    def _snapshot(self) -> Phase:
+        mode = self.tracker._mode
+        return Phase(mode.peak, dict(mode.peak_breakdown))
+
+    def reset(self) -> None:
+        mode = self.tracker._mode
+        mode.peak, mode.peak_breakdown = mode.total, dict(mode.current)
+
+    def _pre(self, *args: Any) -> None:
+        self.depth += 1
+        if self.depth > 1:
+            return
+        self.fb = self._snapshot()
+        self.overall = max(getattr(self, "overall", Phase()), self.fb, key=lambda p: p.peak)
+        self.reset()
+
+    def _post(self, *args: Any) -> None:
+        self.depth -= 1
+        if self.depth > 0:
+            return
+        self.opt = self._snapshot()
+        self.overall = max(self.overall, self.opt, key=lambda p: p.peak)
+        self.reset()
+
+    def close(self) -> Phase:
+        for h in self._handles:
+            h.remove()
+        tail = self._snapshot()
+        return max(getattr(self, "overall", Phase()), tail, key=lambda p: p.peak)
+
+
+def _ddp_bucket_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def build_meta_model(model_cfg: Any) -> nn.Module:
+    """The config's model on the meta device (no memory, no initialisation)."""
+    from memfit.registry import MODELS
+
+    if isinstance(model_cfg, nn.Module):
+        return copy.deepcopy(model_cfg).to("meta")
+    with torch.device("meta"):
+        return MODELS.build(copy.deepcopy(model_cfg), key="model")
+
+
+def first_batch(loader_cfg: dict) -> Any:
+    """One real batch from the train dataloader config (no workers, one rank)."""
+    from memfit.data import build_dataloader
+
+    cfg = {**loader_cfg, "num_workers": 0, "persistent_workers": False}
+    cfg.pop("prefetch_factor", None)
+    return next(iter(build_dataloader(cfg, seed=0, key="train_dataloader")))
+
+
+def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model: nn.Module | None = None,
+                 ) -> StepMeasurement:
+    """Run the config's training step on fake tensors inside the current (fake) process group.
+
+    ``full``: two optimizer steps (see the module docstring); otherwise one micro-step's forward and
+    backward. ``batch`` defaults to the first batch of ``cfg['train_dataloader']``; ``meta_model``
+    (a model already built on meta) is copied instead of building the config's model again.
+    """
+    import time
+
+    from memfit.connector import setup
+    from memfit.optim.builder import scale_lr_cfg
+    from memfit.precision import precision_options
+    from memfit.strategies import DDPStrategy, build_strategy
+
+    start = time.perf_counter()
+    world = tdist.get_world_size() if tdist.is_initialized() else 1
+    strategy_cfg = cfg.get("strategy")
+    if strategy_cfg is None and world > 1:
+        strategy_cfg = dict(type="DDPStrategy")
+    kind = strategy_cfg.get("type") if isinstance(strategy_cfg, dict) else strategy_cfg
+    if kind in ("DeepSpeedStrategy", "ColossalAIStrategy", "deepspeed", "colossalai"):
+        raise ConfigError(f"strategy={kind!r}: the planner runs FSDP2 and ZeRO-1 (DDP) steps on fake tensors, not "
+                          f"{kind}'s engine; plan without --as-is to see its ZeRO stages as FSDP plans")
+    strategy = build_strategy(copy.deepcopy(strategy_cfg))
+    if isinstance(strategy, DDPStrategy):
+        # DDP's reducer is C++ that reads tensor data, which fake tensors have none of: the model runs
+        # unwrapped (ZeRO-1's sharded optimizer is still the real one) and the reducer's buckets, one
+        # copy of the gradients (gradient_as_bucket_view=False), are added as communication memory.
+        strategy.wrap = lambda model: model
+    strategy.setup_env("none")
+    strategy.device = torch.device("cpu")  # fake CPU tensors: fake CUDA cannot run backward without a GPU
+    strategy.precision.to_device(strategy.device)
+    if batch is None:
+        batch = first_batch(cfg["train_dataloader"])
+    model = copy.deepcopy(meta_model) if meta_model is not None else build_meta_model(cfg["model"])
+    techniques = {**(cfg.get("cfg") or {}), **{k: cfg[k] for k in ("activation_checkpointing",
+                                                                    "efficient_conv_bn_eval") if k in cfg}}
+    optim_cfg = copy.deepcopy(cfg["optim_wrapper"])
+    if not full and isinstance(optim_cfg, dict):
+        optim_cfg["accumulative_counts"] = 2  # one micro-step of two: backward without a step
+    optim_cfg = scale_lr_cfg(optim_cfg, cfg.get("auto_scale_lr"), lambda: cfg["train_dataloader"]["batch_size"] * world)
+    counts = optim_cfg.get("accumulative_counts", 1) if isinstance(optim_cfg, dict) else 1
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = model.to_empty(device="cpu")
+        model.train()
+        model, wrapper = setup(model, strategy, optim_cfg, techniques, precision=precision_options(cfg.get("precision")))
+        buckets = _ddp_bucket_bytes(model) if isinstance(strategy, DDPStrategy) else 0
+        micro_steps = 2 * counts if full else 1
+        wrapper.initialize_count_status(model, 0, micro_steps)
+        counter = _OpCounter()
+        with MemoryTracker(model, wrapper.optimizer) as tracker, counter:
+            phases = _Phases(tracker)
+            for i in range(micro_steps):
+                counter.counting = (i == micro_steps - 1) if not full else i >= counts
+                model.train_step(batch, optim_wrapper=wrapper)
+            overall = phases.close()
+    for phase in (overall, phases.fb, phases.opt):
+        phase.peak += buckets
+        phase.breakdown["communication"] = phase.breakdown.get("communication", 0) + buckets
+    flops_per_micro = counter.flops // (counts if full else 1)
+    return StepMeasurement(peak=overall.peak, breakdown=overall.breakdown,
+                           forward_backward=phases.fb if full else overall, optimizer=phases.opt,
+                           flops=flops_per_micro, ops=counter.ops // (counts if full else 1),
+                           comm=dict(counter.comm), seconds=time.perf_counter() - start)

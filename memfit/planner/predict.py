@@ -1,0 +1,268 @@
+"""Predict every plan's per-rank peak memory and relative step time from a few fake steps.
+
+Running the whole step for each of hundreds of plans would take minutes on a large model; the
+planner runs three kinds of fake step and composes them:
+
+1. the configured plan, as it is (two optimizer steps): its row is measured, not composed;
+2. one full step per sharding (none/DDP, ZeRO-1, ZeRO-2, FSDP, FSDP + CPU offload) at the
+   reference activations (fp32, no checkpointing, no Conv-BN folding, the configured micro-batch):
+   the model state, the optimizer phase's peak and the communication of each sharding;
+3. one forward/backward per activation choice (precision fp32/half x checkpointing x Conv-BN) in a
+   single process, and one per smaller micro-batch at the reference.
+
+A plan's forward/backward peak is its sharding's (2) plus how much its activations differ from the
+reference's (3); its optimizer-phase peak is its sharding's; its peak is the larger. Activation
+differences are additive across the model state because the state is the same tensors either way;
+a smaller micro-batch scales the difference by how the reference's batch-dependent bytes scale
+(exact for models whose activations are linear in the batch). fp16 and bf16 hold the same bytes.
+The recommended plan is then run whole (1) and replaced by its measurement before it is trusted.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from memfit.errors import ConfigError
+from memfit.planner import devices
+from memfit.planner.cost import ModelState, step_seconds
+from memfit.planner.devices import Device
+from memfit.planner.fake import StepMeasurement, build_meta_model, fake_process_group, first_batch, measure_step
+from memfit.planner.space import ModelFacts, Plan, configured_plan, enumerate_plans
+
+AUTO_FIT_MARGIN = 0.05  # the recommended plan leaves 5% of the budget free
+_STATE = ("parameters", "buffers", "gradients", "optimizer_state")
+
+
+@dataclass
+class PlanResult:
+    """A plan's prediction. ``peak_bytes``: what must fit on one rank's device (CUDA: reserved +
+    CUDA context + NCCL buffers; CPU: live tensor bytes); ``allocated``/``reserved``: the caching
+    allocator's figures (equal to the peak on CPU); ``source``: 'measured' (a whole fake step of this
+    plan) or 'composed' (see the module docstring)."""
+
+    plan: Plan
+    peak_bytes: int
+    breakdown: dict[str, int]
+    allocated: int
+    reserved: int
+    seconds: float
+    source: str = "composed"
+    rel_step_time: float = 1.0
+    fits: bool = True
+
+
+@dataclass
+class Prediction:
+    device: Device
+    world_size: int
+    budget: int
+    results: list[PlanResult]
+    recommended: int | None
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``--json`` document (exactly these keys; ``recommended`` indexes ``plans``)."""
+        return {
+            "device": self.device.name,
+            "world_size": self.world_size,
+            "budget_bytes": self.budget,
+            "plans": [{"name": r.plan.name, **r.plan.as_dict(), "peak_bytes": r.peak_bytes,
+                       "breakdown": r.breakdown, "rel_step_time": round(r.rel_step_time, 4), "fits": r.fits}
+                      for r in self.results],
+            "recommended": self.recommended,
+        }
+
+
+def device_figures(tracked: int, breakdown: dict[str, int], device: Device, world_size: int,
+                   ) -> tuple[int, dict[str, int], int, int]:
+    """(peak that must fit, breakdown, allocated, reserved) on ``device`` for a tracked CPU peak."""
+    out = dict(breakdown)
+    if not device.cuda:
+        return tracked, out, tracked, tracked
+    out["workspace"] = devices.CUBLAS_WORKSPACE
+    allocated = tracked + devices.CUBLAS_WORKSPACE
+    out["allocator_slack"] = int(allocated * devices.ALLOCATOR_SLACK)
+    reserved = allocated + out["allocator_slack"]
+    out["cuda_context"] = devices.CUDA_CONTEXT
+    out["nccl"] = devices.NCCL_BUFFERS if world_size > 1 else 0
+    return reserved + out["cuda_context"] + out["nccl"], out, allocated, reserved
+
+
+def _offloaded(breakdown: dict[str, int]) -> dict[str, int]:
+    """A phase's breakdown with the sharded parameters, gradients and optimizer state on the host."""
+    return {**breakdown, "parameters": 0, "gradients": 0, "optimizer_state": 0}
+
+
+class _Runs:
+    """The fake steps the prediction needs, run once each (with a progress bar) and cached."""
+
+    def __init__(self, cfg: dict, facts: ModelFacts, meta: Any, total: int, progress: bool) -> None:
+        self.cfg, self.facts, self.meta = cfg, facts, meta
+        self.cache: dict[Any, StepMeasurement] = {}
+        self.batches: dict[int, Any] = {}
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="memfit plan", unit="step", leave=False, file=sys.stderr)
+
+    def run(self, key: Any, plan: Plan, full: bool, single: bool = False) -> StepMeasurement:
+        if key not in self.cache:
+            cfg = plan.apply(self.cfg, self.facts)
+            if single:
+                cfg["strategy"] = dict(type="SingleDeviceStrategy")
+            mb = cfg["train_dataloader"]["batch_size"]
+            if mb not in self.batches:
+                self.batches[mb] = first_batch(cfg["train_dataloader"])
+            if self.bar is not None:
+                self.bar.set_postfix_str(plan.name if full else f"{plan.name} (forward/backward)")
+            self.cache[key] = measure_step(cfg, full=full, batch=self.batches[mb], meta_model=self.meta)
+            if self.bar is not None:
+                self.bar.update(1)
+        return self.cache[key]
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def predict(cfg: dict, *, device: Device, world_size: int = 1, budget: int | None = None, as_is: bool = False,
+            progress: bool = False, verify: bool = True) -> Prediction:
+    """Predict the plans of ``cfg`` at ``world_size`` ranks on ``device`` (see the module docstring).
+
+    ``as_is``: only the configured plan. ``budget`` (bytes per rank, default the device's memory)
+    decides ``fits`` and the recommendation: the fastest plan within ``budget`` less 5%, verified by a
+    whole fake step when ``verify``.
+    """
+    start = time.perf_counter()
+    budget = budget or device.memory
+    if "train_dataloader" not in cfg or "optim_wrapper" not in cfg:
+        raise ConfigError("the planner needs train_dataloader and optim_wrapper in the config (it runs the train step)")
+    log = logging.getLogger("memfit")
+    level = log.level
+    log.setLevel(logging.ERROR)  # techniques log each module they touch, precisions their CPU caveats
+    try:
+        return _predict(cfg, device, world_size, budget, as_is, progress, verify, start)
+    finally:
+        log.setLevel(level)
+
+
+def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: bool, progress: bool, verify: bool,
+             start: float) -> Prediction:
+    meta = build_meta_model(cfg["model"])
+    facts = ModelFacts.of(meta)
+    configured = configured_plan(cfg, facts, device.cuda)
+    precisions = tuple(p for p in ("fp32", "bf16", "fp16") if device.dtype_tflops(p))
+    plans = [] if as_is else [p for p in enumerate_plans(configured, facts, world_size, precisions) if p != configured]
+    ref = Plan("fp32", "none", "none", "none", False, configured.micro_batch, configured.accumulative_counts)
+    shard_keys = sorted({(p.sharding, p.offload) for p in plans})
+    act_keys = sorted({(_half(p), p.activation_checkpointing, p.efficient_conv_bn_eval) for p in plans})
+    micro = sorted({p.micro_batch for p in plans} - {configured.micro_batch})
+    total = 1 + len(shard_keys) + (len(act_keys) + 1 + len(micro) if plans else 0)
+    with fake_process_group(world_size):
+        runs = _Runs(cfg, facts, meta, total, progress)
+        try:
+            own = runs.run("configured", configured, full=True)
+            results = [_result(configured, own, own, device, world_size, configured.accumulative_counts, "measured")]
+            if plans:
+                compose = _Composer(runs, ref, device, world_size)
+                results += [compose(p) for p in plans]
+            _rank(results, budget)
+            recommended = _recommend(results, budget)
+            while verify and recommended is not None and results[recommended].source != "measured":
+                r = results[recommended]
+                m = runs.run(("verify", r.plan), r.plan, full=True)
+                results[recommended] = replace(_result(r.plan, m, m, device, world_size, r.plan.accumulative_counts,
+                                                       "measured"), seconds=r.seconds)
+                _rank(results, budget)
+                recommended = _recommend(results, budget)
+        finally:
+            runs.close()
+    order = sorted(range(len(results)), key=lambda i: (results[i].seconds, results[i].peak_bytes))
+    index = {old: new for new, old in enumerate(order)}
+    return Prediction(device, world_size, budget, [results[i] for i in order],
+                      index.get(recommended) if recommended is not None else None, time.perf_counter() - start)
+
+
+def _half(plan: Plan) -> str:
+    return "fp32" if plan.precision == "fp32" else "half"
+
+
+def _state(m: StepMeasurement) -> ModelState:
+    b = m.optimizer.breakdown or m.breakdown
+    return ModelState(b.get("parameters", 0), b.get("gradients", 0), b.get("optimizer_state", 0))
+
+
+def _result(plan: Plan, step: StepMeasurement, micro: StepMeasurement, device: Device, world_size: int,
+            shard_counts: int, source: str = "composed", fb_delta: int = 0) -> PlanResult:
+    """A plan's figures from its sharding's full step, with its own activations' difference added to
+    the forward/backward phase (0 when ``step`` is this plan's own step)."""
+    fb = dict(step.forward_backward.breakdown)
+    fb["activations"] = fb.get("activations", 0) + fb_delta
+    phases = [(step.forward_backward.peak + fb_delta, fb), (step.optimizer.peak, dict(step.optimizer.breakdown))]
+    if source == "measured":  # the plan's own step: the first step's peak counts too
+        phases.append((step.peak, dict(step.breakdown)))
+    if plan.offload == "params" and device.cuda:
+        phases = [(sum(_offloaded(b).values()), _offloaded(b)) for _, b in phases]
+    tracked, breakdown = max(phases, key=lambda pb: pb[0])
+    peak, breakdown, allocated, reserved = device_figures(tracked, breakdown, device, world_size)
+    seconds = step_seconds(plan, micro, step, _state(step), device, world_size, shard_counts)
+    return PlanResult(plan, peak, breakdown, allocated, reserved, seconds, source)
+
+
+class _Composer:
+    """Composes a plan from its sharding's full step and its activations' forward/backward step."""
+
+    def __init__(self, runs: _Runs, ref: Plan, device: Device, world_size: int) -> None:
+        self.runs, self.ref, self.device, self.world = runs, ref, device, world_size
+        self.grad_bytes = sum(p.numel() * p.element_size() for p in runs.meta.parameters() if p.requires_grad)
+
+    def __call__(self, plan: Plan) -> PlanResult:
+        ref = self.ref
+        shard = self.runs.run(("shard", plan.sharding, plan.offload),
+                              replace(ref, sharding=plan.sharding, offload=plan.offload), full=True)
+        base = self.runs.run(("act", "fp32", "none", False, ref.micro_batch), ref, full=False, single=True)
+        act_plan = replace(ref, precision=plan.precision if plan.precision != "fp16" else "bf16",
+                           activation_checkpointing=plan.activation_checkpointing,
+                           efficient_conv_bn_eval=plan.efficient_conv_bn_eval)
+        act = self.runs.run(("act", _half(plan), plan.activation_checkpointing, plan.efficient_conv_bn_eval,
+                             ref.micro_batch), act_plan, full=False, single=True)
+        delta = act.forward_backward.peak - base.forward_backward.peak
+        flops, ops = act.flops, act.ops
+        if plan.micro_batch != ref.micro_batch:
+            small = replace(ref, micro_batch=plan.micro_batch,
+                            accumulative_counts=ref.micro_batch * ref.accumulative_counts // plan.micro_batch)
+            base_mb = self.runs.run(("act", "fp32", "none", False, plan.micro_batch), small, full=False, single=True)
+            scale = _batch_bytes(base_mb) / max(_batch_bytes(base), 1)
+            delta = (base_mb.forward_backward.peak - base.forward_backward.peak) + int(delta * scale)
+            flops = int(act.flops * base_mb.flops / max(base.flops, 1))
+        if plan.accumulative_counts > 1 and ref.accumulative_counts == 1:
+            # Accumulating: the gradients of earlier micro-steps stay whole (unsharded, unreduced) through
+            # every later micro-step, where the reference step only had those produced so far.
+            delta += self.grad_bytes - shard.forward_backward.breakdown.get("gradients", 0)
+        micro = replace(act, flops=flops, ops=ops)
+        return _result(plan, shard, micro, self.device, self.world, ref.accumulative_counts, fb_delta=delta)
+
+
+def _batch_bytes(m: StepMeasurement) -> int:
+    """The forward/backward peak's bytes that grow with the batch (everything but the model state)."""
+    b = m.forward_backward.breakdown
+    return m.forward_backward.peak - sum(b.get(k, 0) for k in _STATE)
+
+
+def _rank(results: list[PlanResult], budget: int) -> None:
+    base = results[0].seconds or 1.0
+    for r in results:
+        r.rel_step_time = r.seconds / base
+        r.fits = r.peak_bytes <= budget
+
+
+def _recommend(results: list[PlanResult], budget: int) -> int | None:
+    limit = budget * (1 - AUTO_FIT_MARGIN)
+    fitting = [i for i, r in enumerate(results) if r.peak_bytes <= limit]
+    return min(fitting, key=lambda i: (results[i].seconds, results[i].peak_bytes)) if fitting else None

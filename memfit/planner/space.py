@@ -1,0 +1,232 @@
+"""The plan space: one :class:`Plan` per combination of precision, activation checkpointing, sharding,
+offload, Conv-BN folding and micro-batch, read from a config and written back into one.
+
+A plan names each axis with a short word; :meth:`Plan.apply` turns it into the config keys memfit
+already runs (``optim_wrapper.type/dtype``, ``activation_checkpointing``, ``strategy``,
+``efficient_conv_bn_eval``, ``train_dataloader.batch_size``, ``optim_wrapper.accumulative_counts``),
+so a plan the planner recommends is a config the runner trains. What the model offers (its repeated
+blocks, their stages, BatchNorm that is frozen) decides which checkpointing and Conv-BN choices exist.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from torch import nn
+
+from memfit.errors import ConfigError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+SHARDINGS = ("none", "zero1", "zero2", "fsdp")
+OFFLOADS = ("none", "params")
+_AC_ORDER = ("none", "stages", "every2", "selective", "blocks")  # roughly: least recompute first
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the plan space needs to know about a model: its repeated blocks (FSDP's units and the
+    checkpointing granularity), the stages holding them, and whether any BatchNorm is frozen."""
+
+    block_types: tuple[str, ...]
+    blocks: tuple[str, ...]
+    stages: tuple[str, ...]
+    frozen_bn: bool
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelFacts:
+        from memfit.strategies.fsdp import repeated_blocks
+
+        model.train()  # norm_eval models put their BatchNorm back in eval mode here
+        units = repeated_blocks(model)
+        counts: dict[str, int] = {}
+        for m in units.values():
+            counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
+        # Blocks: unit types that repeat as units (a lone final norm or head is a unit, not a block).
+        blocks = {n: m for n, m in units.items() if counts[type(m).__name__] > 1}
+        types = tuple(sorted({type(m).__name__ for m in blocks.values()}))
+        stages = tuple(dict.fromkeys(n.rpartition(".")[0] for n in blocks if "." in n))
+        frozen = any(_is_frozen_bn(m) for m in model.modules())
+        return cls(types, tuple(blocks), stages if len(stages) > 1 else (), frozen)
+
+
+def _is_frozen_bn(m: nn.Module) -> bool:
+    return type(m).__name__ == "FrozenBatchNorm2d" or (isinstance(m, nn.modules.batchnorm._BatchNorm) and not m.training)
+
+
+def ac_spec(choice: str, facts: ModelFacts) -> Any:
+    """The ``activation_checkpointing`` value of a checkpointing choice (None for 'none')."""
+    if choice == "none":
+        return None
+    if choice == "stages":
+        return list(facts.stages)
+    if choice.startswith("first"):  # 'first12': the planner's subset, the first N blocks
+        return list(facts.blocks[: int(choice[5:])])
+    spec: dict[str, Any] = {"types": list(facts.block_types)}
+    if choice == "every2":
+        spec["every_n"] = 2
+    elif choice == "selective":
+        spec["selective"] = True
+    elif choice != "blocks":
+        raise ConfigError(f"unknown activation checkpointing choice {choice!r}: "
+                          f"use one of {', '.join(_AC_ORDER)} or firstN")
+    return spec
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One point of the plan space. ``activation_checkpointing``: none | stages | blocks | every2 |
+    selective | firstN (the first N blocks); ``sharding``: none (DDP) | zero1 | zero2 (FSDP keeping
+    gathered parameters until backward, SHARD_GRAD_OP) | fsdp (ZeRO-3); ``offload``: none | params
+    (FSDP's CPU offload of parameters, gradients and optimizer state); ``configured``: the config's
+    own plan, applied as it is."""
+
+    precision: str = "fp32"
+    activation_checkpointing: str = "none"
+    sharding: str = "none"
+    offload: str = "none"
+    efficient_conv_bn_eval: bool = False
+    micro_batch: int = 1
+    accumulative_counts: int = 1
+    configured: bool = field(default=False, compare=False)
+
+    @property
+    def name(self) -> str:
+        parts = [self.precision]
+        if self.activation_checkpointing != "none":
+            parts.append(f"ac:{self.activation_checkpointing}")
+        if self.sharding != "none":
+            parts.append(self.sharding)
+        if self.offload != "none":
+            parts.append(f"offload:{self.offload}")
+        if self.efficient_conv_bn_eval:
+            parts.append("conv-bn")
+        parts.append(f"mb{self.micro_batch}x{self.accumulative_counts}")
+        return " ".join(parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("configured")
+        return out
+
+    def apply(self, cfg: dict, facts: ModelFacts) -> dict:
+        """A copy of ``cfg`` set up to train with this plan."""
+        cfg = copy.deepcopy(cfg)
+        if self.configured:  # as it is, with the autocast dtype the target resolves made explicit
+            ow = cfg.get("optim_wrapper")
+            if isinstance(ow, dict) and str(ow.get("type", "")).endswith("AmpOptimWrapper") and not ow.get("dtype"):
+                ow.update(_precision_keys(self.precision))
+            return cfg
+        techniques = dict(cfg.pop("cfg", None) or {})
+        for key in ("activation_checkpointing", "efficient_conv_bn_eval", "model_wrapper_cfg"):
+            techniques.pop(key, None)
+            cfg.pop(key, None)
+        spec = ac_spec(self.activation_checkpointing, facts)
+        if spec is not None:
+            techniques["activation_checkpointing"] = spec
+        if self.efficient_conv_bn_eval:
+            techniques["efficient_conv_bn_eval"] = [""]
+        cfg["cfg"] = techniques
+        cfg["strategy"] = _strategy(self, cfg.get("strategy"))
+        ow = dict(cfg.get("optim_wrapper") or {})
+        for key in ("dtype", "loss_scale"):
+            ow.pop(key, None)
+        ow.update(_precision_keys(self.precision))
+        ow["accumulative_counts"] = self.accumulative_counts
+        cfg["optim_wrapper"] = ow
+        loader = dict(cfg["train_dataloader"])
+        loader["batch_size"] = self.micro_batch
+        cfg["train_dataloader"] = loader
+        return cfg
+
+
+def _precision_keys(precision: str) -> dict[str, str]:
+    if precision == "fp32":
+        return {"type": "OptimWrapper"}
+    return {"type": "AmpOptimWrapper", "dtype": "bfloat16" if precision == "bf16" else "float16"}
+
+
+def _strategy(plan: Plan, current: Any) -> Any:
+    """The strategy config of a plan's sharding; the config's own FSDP options are kept."""
+    own = dict(current) if isinstance(current, dict) and current.get("type") == "FSDPStrategy" else {}
+    own.pop("reshard_after_forward", None)
+    own.pop("cpu_offload", None)
+    if plan.sharding in ("zero2", "fsdp") or plan.offload == "params":
+        return {**own, "type": "FSDPStrategy", "reshard_after_forward": plan.sharding != "zero2",
+                "cpu_offload": plan.offload == "params"}
+    if plan.sharding == "zero1":
+        return dict(type="DDPStrategy", zero=True)
+    return None  # the runner's default: one device, or DDP when launched as several processes
+
+
+def configured_plan(cfg: dict, facts: ModelFacts, cuda: bool = True) -> Plan:
+    """The plan a config describes, marked ``configured`` (its own settings are kept when applied).
+    An ``AmpOptimWrapper`` without a dtype is what the target resolves it to: fp16 on CUDA; on a CPU,
+    bf16 where it is native, else fp32 (memfit.precision.default_amp_dtype)."""
+    from memfit.precision.base import cpu_has_native_bf16
+
+    ow = cfg.get("optim_wrapper") or {}
+    precision = "fp32"
+    if isinstance(ow, dict) and str(ow.get("type", "")).endswith("AmpOptimWrapper"):
+        dtype = str(ow.get("dtype") or "")
+        if "bfloat16" in dtype or (not dtype and not cuda and cpu_has_native_bf16()):
+            precision = "bf16"
+        elif "float16" in dtype or (not dtype and cuda):
+            precision = "fp16"
+    techniques = {**(cfg.get("cfg") or {}), **{k: cfg[k] for k in ("activation_checkpointing",
+                                                                    "efficient_conv_bn_eval") if k in cfg}}
+    ac = techniques.get("activation_checkpointing")
+    strategy = cfg.get("strategy")
+    kind = strategy.get("type") if isinstance(strategy, dict) else strategy
+    sharding, offload = "none", "none"
+    if kind in ("FSDPStrategy", "fsdp"):
+        sharding = "zero2" if isinstance(strategy, dict) and strategy.get("reshard_after_forward") is False else "fsdp"
+        offload = "params" if isinstance(strategy, dict) and strategy.get("cpu_offload") else "none"
+    elif isinstance(strategy, dict) and strategy.get("zero"):
+        sharding = "zero1"
+    return Plan(precision=precision, activation_checkpointing=_ac_name(ac, facts), sharding=sharding, offload=offload,
+                efficient_conv_bn_eval=bool(techniques.get("efficient_conv_bn_eval")),
+                micro_batch=int(cfg["train_dataloader"]["batch_size"]),
+                accumulative_counts=int(ow.get("accumulative_counts", 1)) if isinstance(ow, dict) else 1,
+                configured=True)
+
+
+def _ac_name(spec: Any, facts: ModelFacts) -> str:
+    if not spec:
+        return "none"
+    for choice in _AC_ORDER[1:]:
+        if ac_spec(choice, facts) == spec:
+            return choice
+    return "custom"
+
+
+def enumerate_plans(configured: Plan, facts: ModelFacts, world_size: int, precisions: tuple[str, ...] = PRECISIONS,
+                    ) -> list[Plan]:
+    """Every plan worth predicting for a model trained at ``world_size`` ranks, keeping the global
+    batch of ``configured`` (micro-batch x accumulation). Pruned: checkpointing choices the model
+    cannot express (no stages), Conv-BN folding without frozen BatchNorm, sharding at one rank
+    (FSDP there only as the carrier of CPU offload), offload without FSDP."""
+    per_rank = configured.micro_batch * configured.accumulative_counts
+    micro = [b for b in _halvings(configured.micro_batch) if per_rank % b == 0]
+    acs = [a for a in _AC_ORDER if a != "stages" or facts.stages]
+    if not facts.block_types:
+        acs = ["none"]
+    conv_bn = (False, True) if facts.frozen_bn else (False,)
+    shardings = [("none", "none"), ("fsdp", "params")] if world_size == 1 else \
+        [(s, "none") for s in SHARDINGS] + [("fsdp", "params")]
+    plans = [Plan(p, a, s, o, c, b, per_rank // b)
+             for p in precisions for a in acs for s, o in shardings for c in conv_bn for b in micro]
+    return plans
+
+
+def _halvings(b: int) -> list[int]:
+    out = [b]
+    while out[-1] > 1:
+        out.append(out[-1] // 2)
+    return out
+
+
+def with_micro_batch(plan: Plan, micro_batch: int) -> Plan:
+    per_rank = plan.micro_batch * plan.accumulative_counts
+    return replace(plan, micro_batch=micro_batch, accumulative_counts=per_rank // micro_batch, configured=False)
