@@ -229,7 +229,8 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = model.to_empty(device="cpu")
         model.train()
-        model, wrapper = setup(model, strategy, optim_cfg, techniques, precision=precision_options(cfg.get("precision")))
+        precision = precision_options(cfg.get("precision"))
+        model, wrapper = setup(model, strategy, optim_cfg, techniques, precision=precision)
         buckets = _ddp_bucket_bytes(model) if isinstance(strategy, DDPStrategy) else 0
         micro_steps = 2 * counts if full else 1
         wrapper.initialize_count_status(model, 0, micro_steps)

@@ -52,7 +52,8 @@ class ModelFacts:
 
 
 def _is_frozen_bn(m: nn.Module) -> bool:
-    return type(m).__name__ == "FrozenBatchNorm2d" or (isinstance(m, nn.modules.batchnorm._BatchNorm) and not m.training)
+    bn = isinstance(m, nn.modules.batchnorm._BatchNorm)
+    return type(m).__name__ == "FrozenBatchNorm2d" or (bn and not m.training)
 
 
 def ac_spec(choice: str, facts: ModelFacts) -> Any:
