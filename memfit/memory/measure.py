@@ -1,5 +1,6 @@
-"""Peak memory of a training step, with a breakdown into parameters, gradients, optimizer state
-and activations — on CUDA from the caching allocator, everywhere else from live tensor storages.
+"""Peak memory of a training step, with a breakdown into parameters, gradients, optimizer state,
+activations and communication buffers — on CUDA from the caching allocator, everywhere else from
+live tensor storages.
 
 Usage::
 
@@ -8,35 +9,56 @@ Usage::
     print(t.peak_bytes, t.breakdown)
     print(t.report())
 
-**CPU, meta and fake tensors** (``FakeTensorMode``): a ``TorchDispatchMode`` sees the output of
-every operator. Each new storage is recorded once (views share their storage, so they are not
-counted twice) with a weak reference whose finaliser subtracts its bytes when the storage is freed;
-the running total's maximum is the peak. Storages alive at entry (parameters, buffers, gradients,
-optimizer state) are counted from the start; any other storage first seen as an operator *input*
-(the batch, a cached tensor) was alive before the step began, so it is added to the peak
-retroactively under ``inputs``. This is the same accounting as torch's
-``torch.distributed._tools.mem_tracker.MemTracker`` (tests check the peaks are equal to the byte)
-at a fraction of its cost, because it keeps no per-module snapshots. It does not see allocator
-rounding, kernel workspaces, or tensors created and freed entirely outside the dispatcher, and it
-slows each step by the Python call per operator (a few times slower on small CPU ops).
+**CPU, meta and fake tensors** (``FakeTensorMode``, also with a fake process group): a
+``TorchDispatchMode`` sees the output of every operator. Each new storage is recorded once (views
+share their storage, so they are not counted twice) with a weak reference whose finaliser subtracts
+its bytes when the storage is freed; the running total's maximum is the peak. Storages alive at
+entry (parameters, buffers, gradients, optimizer state) are counted from the start; any other
+storage first seen as an operator *input* (the batch, a cached tensor) was alive before the step
+began, so it is added to the peak retroactively under ``inputs`` (``communication`` when a
+collective sees it first). This is the same accounting as torch's
+``torch.distributed._tools.mem_tracker.MemTracker`` and, under FSDP2, ``FSDPMemTracker`` (tests
+check the peaks are equal to the byte) at a fraction of their cost, because it keeps no per-module
+snapshots. It does not see allocator rounding, kernel workspaces, or tensors created and freed
+entirely outside the dispatcher, and it slows each step by the Python call per operator (a few times
+slower on small CPU ops).
 
 **CUDA**: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` is the peak (exact,
-cheap). The breakdown is an approximation: parameters, buffers and optimizer state are measured at
-exit (they do not shrink during a step), gradients are every distinct gradient storage produced
-during backward (assumed alive together at the peak), and activations are the rest of the peak
-(activations, temporaries, inputs and allocator rounding).
+cheap). The breakdown is an approximation: parameters, buffers and optimizer state (master weights
+included) are measured at exit (they do not shrink during a step), gradients are every distinct
+gradient storage produced during backward (assumed alive together at the peak), and activations are
+the rest of the peak (activations, temporaries, communication buffers, inputs and allocator
+rounding); ``communication`` stays 0.
 
-Categories: ``parameters`` (``model.parameters()``), ``buffers`` (``model.buffers()``),
-``gradients`` (``p.grad`` storages, relabelled by a post-accumulate-grad hook when backward
-produces them), ``optimizer_state`` (tensors in ``optimizer.state`` plus the optimizer's own
-temporaries during ``step()``, as MemTracker counts them), ``activations`` (everything else created
-during the step) and ``inputs`` (tensors alive at entry that are none of the above).
+Categories:
+
+* ``parameters``: ``model.parameters()`` at entry (FSDP2's sharded parameters);
+* ``buffers``: ``model.buffers()``;
+* ``gradients``: ``.grad`` storages, relabelled by a post-accumulate-grad hook when backward produces
+  them, and by a walk over every gradient after each reduce-scatter (at the next collective), when
+  an optimizer step begins and at exit: FSDP2 assigns sharded gradients and O2 the fp32 masters'
+  gradients directly. FSDP2's unsharded gradients count too: those ``fsdp::chunk_cat`` packs for the
+  reduce-scatter and those kept while gradient sync is off;
+* ``optimizer_state``: tensors in ``optimizer.state``, the optimizer's own temporaries during
+  ``step()`` (as MemTracker counts them), and the parameters the optimizer steps that are not the
+  model's: Apex O2/O3's fp32 master weights, which ZeRO too counts as optimizer state;
+* ``activations``: everything else created during the step;
+* ``communication``: every storage a collective touches (inputs and outputs of ``c10d`` and
+  ``_c10d_functional`` ops and of FSDP2's ``fsdp::`` copy ops: all-gather and reduce-scatter
+  buffers, DDP's buckets, found at their first all-reduce) and every storage
+  ``UntypedStorage.resize_`` grows (FSDP2's unsharded parameters). A storage already labelled a
+  parameter, buffer, gradient or optimizer state keeps its label;
+* ``inputs``: tensors alive at entry that are none of the above.
+
+A label found late says what a storage already was (a bucket's first all-reduce, a gradient assigned
+outside autograd): relabelling a storage alive at the peak then moves its bytes in the peak
+breakdown too. The post-accumulate-grad hook does not: the storage becomes a gradient at that moment
+(MemTracker's accounting).
 """
-
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -47,8 +69,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "inputs")
+CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "communication", "inputs")
 MB = 2**20  # "MB" in reports means MiB, as in MMEngine's and the seeds' memory logs
+# Collectives (eager c10d, functional collectives) and FSDP2's copy-in/copy-out ops around them.
+_COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional", "fsdp"})
+# The labels a collective (or a resize) may override: the others say what a storage is more precisely.
+_OVERRIDABLE = frozenset({"activations", "inputs"})
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
 
 
 def _storages(obj: Any) -> Iterable[torch.UntypedStorage]:
@@ -64,20 +91,43 @@ def _optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[to
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
+def _stepped_params(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]] if optimizer is not None else []
+
+
+def _fsdp_params(model: nn.Module | None) -> list[Any]:
+    """FSDP2's per-parameter records (``FSDPParam``) in ``model``: they hold the unsharded gradients, which
+    are no registered parameter's ``.grad`` once the module is resharded. Private torch API, read
+    defensively (torch 2.14 has ``_fsdp_param_groups``, earlier versions ``_fsdp_param_group``)."""
+    out: list[Any] = []
+    for module in model.modules() if model is not None and _FSDPModule is not None else ():
+        if isinstance(module, _FSDPModule):
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+            out += [fsdp_param for group in groups if group is not None for fsdp_param in group.fsdp_params]
+    return out
+
+
 class _LiveStorages(TorchDispatchMode):
     """Running total and peak of live storage bytes by category (the CPU/meta/fake backend)."""
 
     def __init__(self) -> None:
         super().__init__()
-        # id(storage) -> [weakref, nbytes, category]. Keyed by identity, not data_ptr: fake and meta
-        # storages have no address, and torch keeps one Python object per storage alive as long as
-        # the storage itself lives, so identity is stable.
+        # id(storage) -> [weakref, nbytes, category, serial]. Keyed by identity, not data_ptr: fake and
+        # meta storages have no address, and torch keeps one Python object per storage alive as long as
+        # the storage itself lives, so identity is stable. ``serial`` orders additions: a live storage
+        # with serial <= ``peak_serial`` was alive at the peak.
         self.live: dict[int, list[Any]] = {}
         self.current = dict.fromkeys(CATEGORIES, 0)
         self.total = 0
         self.peak = 0
         self.peak_breakdown = dict(self.current)
+        self.serial = 0
+        self.peak_serial = 0
         self.new_category = "activations"
+        # Called (by the MemoryTracker) to relabel every gradient; due after a reduce-scatter.
+        self.relabel_grads: Callable[[], None] | None = None
+        self.grads_pending = False
         self._fake_on_entry: Any = None
         self._orig_resize: Any = None
 
@@ -95,21 +145,33 @@ class _LiveStorages(TorchDispatchMode):
             return
         n = st.nbytes()
         ref = weakref.ref(st, lambda r, key=key: self._free(key, r))
-        self.live[key] = [ref, n, category]
+        self.serial += 1
+        self.live[key] = [ref, n, category, 0 if retroactive else self.serial]
         self.current[category] += n
         self.total += n
         if retroactive:  # alive since before entry: every earlier moment, the peak included, held it
             self.peak += n
             self.peak_breakdown[category] += n
 
-    def relabel(self, st: torch.UntypedStorage, category: str) -> None:
+    def relabel(self, st: torch.UntypedStorage, category: str, only_from: frozenset[str] | None = None,
+                retroactive: bool = False) -> None:
+        """Count ``st`` under ``category`` from now on; ``retroactive``: at the peak too if it was alive then
+        (what the storage already was, learnt late). ``only_from`` limits which labels are overridden."""
         entry = self.live.get(id(st))
         if entry is None:
             self.add(st, category)
-        elif entry[2] != category:
-            self.current[entry[2]] -= entry[1]
-            self.current[category] += entry[1]
-            entry[2] = category
+            return
+        old = entry[2]
+        if old == category or (only_from is not None and old not in only_from):
+            return
+        self.current[old] -= entry[1]
+        self.current[category] += entry[1]
+        entry[2] = category
+        if retroactive and entry[3] <= self.peak_serial:
+            # Clamped: a storage resized since the peak held other bytes then.
+            moved = min(entry[1], self.peak_breakdown[old])
+            self.peak_breakdown[old] -= moved
+            self.peak_breakdown[category] += moved
 
     def _free(self, key: int, ref: weakref.ref) -> None:
         entry = self.live.get(key)
@@ -122,21 +184,32 @@ class _LiveStorages(TorchDispatchMode):
         if self.total > self.peak:
             self.peak = self.total
             self.peak_breakdown = dict(self.current)
+            self.peak_serial = self.serial
+
+    def _communication(self, storages: Iterable[torch.UntypedStorage]) -> None:
+        for st in storages:
+            if id(st) in self.live:
+                self.relabel(st, "communication", only_from=_OVERRIDABLE, retroactive=True)
+            else:  # first seen by a collective: a buffer allocated before the step (DDP's buckets)
+                self.add(st, "communication", retroactive=True)
 
     # -- mode ---------------------------------------------------------------------------------------
     def __enter__(self) -> _LiveStorages:
         self._fake_on_entry = active_fake_mode()
         self.peak = self.total
         self.peak_breakdown = dict(self.current)
-        # Storage.resize_ bypasses the dispatcher (FSDP frees unsharded parameters with it); torch's
-        # MemTracker patches it the same way.
+        self.peak_serial = self.serial
+        # Storage.resize_ bypasses the dispatcher (FSDP2 allocates and frees its unsharded parameters
+        # with it); torch's MemTracker patches it the same way.
         self._orig_resize = orig = torch.UntypedStorage.resize_
 
         def resize_(st: torch.UntypedStorage, size: int) -> Any:
+            if id(st) not in self.live:  # its bytes before the resize (FSDP2: none) were held all along
+                self.add(st, "communication", retroactive=True)
             out = orig(st, size)
-            if id(st) in self.live:
-                self.add(st, "activations")
-                self.update_peak()
+            self.add(st, "communication")  # re-reads the size
+            self.relabel(st, "communication", only_from=_OVERRIDABLE, retroactive=True)
+            self.update_peak()
             return out
 
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
@@ -151,33 +224,59 @@ class _LiveStorages(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if _DTensor is not None and any(t is _DTensor for t in types):
             return NotImplemented  # let DTensor desugar to local tensors, which are what holds memory
-        for st in _storages((args, kwargs)):
-            if id(st) not in self.live:
-                self.add(st, "inputs", retroactive=True)
+        comm = func.namespace in _COMM_NAMESPACES
+        # ``torch.tensor(...)`` made inside the step (Adam's first ``step`` counters) reaches the mode as
+        # lift_fresh of a constant made outside the dispatcher: it is new, not an input alive at entry.
+        inputs = _storages((args, kwargs)) if func is not _LIFT_FRESH else ()
+        if comm:
+            self._before_collective(func, args)
+            self._communication(inputs)
+        else:
+            for st in inputs:
+                if id(st) not in self.live:
+                    self.add(st, "inputs", retroactive=True)
         out = func(*args, **(kwargs or {}))
         # A nested fake mode (DTensor sharding propagation) computes metadata only: not memory.
         if active_fake_mode() is self._fake_on_entry:
-            for st in _storages(out):
-                self.add(st, self.new_category)
+            if comm:
+                self._communication(_storages(out))
+            else:
+                for st in _storages(out):
+                    self.add(st, self.new_category)
             self.update_peak()
+        if comm and "reduce_scatter" in func.__name__:
+            self.grads_pending = True
         return out
+
+    def _before_collective(self, func: Any, args: Any) -> None:
+        """Gradients are found at collectives, not at every op (that would cost O(parameters) per op).
+        The walk a reduce-scatter makes due waits for the next collective: the ops right after it
+        (views of its output, dtype casts) run before FSDP2 assigns the sharded gradients, and a walk
+        later than the peak still corrects it (``relabel``)."""
+        if self.grads_pending and self.relabel_grads is not None:
+            self.relabel_grads()
+        if func.namespace == "fsdp" and func.__name__.startswith("chunk_cat"):
+            # FSDP2 packs the unsharded gradients autograd computed into the reduce-scatter input.
+            for st in _storages(args[0]):
+                self.relabel(st, "gradients", only_from=_OVERRIDABLE, retroactive=True)
 
 
 try:
+    from torch.distributed.fsdp import FSDPModule as _FSDPModule
     from torch.distributed.tensor import DTensor as _DTensor
 except ImportError:  # torch built without distributed
-    _DTensor = None
+    _DTensor = _FSDPModule = None
 
 
 class MemoryTracker:
     """Context manager measuring the peak memory of the code it wraps, with a breakdown at the peak.
 
     ``model`` and ``optimizer`` let the tracker label parameters, buffers, gradients and optimizer
-    state; without them everything counts as activations or inputs. ``device`` defaults to the
-    model's parameter device (else CPU); CUDA uses the allocator's peak, any other device (CPU,
-    meta, fake tensors under ``FakeTensorMode``) the live-storage tracker described in the module
-    docstring. After the block: ``peak_bytes``, ``breakdown`` (bytes per category at the peak,
-    summing to ``peak_bytes``) and ``report()``.
+    state; without them everything counts as activations, communication or inputs. ``device``
+    defaults to the model's parameter device (else CPU); CUDA uses the allocator's peak, any other
+    device (CPU, meta, fake tensors under ``FakeTensorMode``) the live-storage tracker described in
+    the module docstring. After the block: ``peak_bytes``, ``breakdown`` (bytes per category at the
+    peak, summing to ``peak_bytes``) and ``report()``.
     """
 
     def __init__(
@@ -197,6 +296,12 @@ class MemoryTracker:
         self._mode: _LiveStorages | None = None
         self._handles: list[Any] = []
         self._grad_bytes: dict[int, int] = {}
+        # Read once at entry: the walks after each reduce-scatter must stay O(parameters). FSDP2 swaps
+        # the registered parameters for unsharded ones inside forward and backward; these are the sharded
+        # ones, which the optimizer steps and which hold the gradients.
+        self._param_list: list[nn.Parameter] = []
+        self._param_ids: set[int] = set()
+        self._fsdp: list[Any] = []
 
     @property
     def uses_allocator(self) -> bool:
@@ -205,9 +310,28 @@ class MemoryTracker:
     def _params(self) -> list[nn.Parameter]:
         return list(self.model.parameters()) if self.model is not None else []
 
+    def _grads(self, optimizer: torch.optim.Optimizer | None = None) -> list[torch.Tensor | None]:
+        """Every gradient the step holds: the model's parameters', the stepped parameters' (O2's fp32
+        masters are assigned theirs directly) and FSDP2's unsharded ones (kept while sync is off)."""
+        grads = [p.grad for p in self._param_list]
+        grads += [p.grad for p in _stepped_params(optimizer or self.optimizer) if id(p) not in self._param_ids]
+        for fsdp_param in self._fsdp:
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            grads += [getattr(unsharded, "grad", None), getattr(fsdp_param, "unsharded_accumulated_grad", None)]
+        return grads
+
+    def _copies(self, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+        """What the optimizer steps in place of the model's parameters (fp32 master weights)."""
+        if self.model is None:
+            return []  # without the model, parameters cannot be told from copies
+        return [p for p in _stepped_params(optimizer) if id(p) not in self._param_ids]
+
     def __enter__(self) -> MemoryTracker:
         self._grad_bytes = {}
-        for p in self._params():
+        self._param_list = self._params()
+        self._param_ids = {id(p) for p in self._param_list}
+        self._fsdp = _fsdp_params(self.model)
+        for p in self._param_list:
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
         if self.uses_allocator:
@@ -216,14 +340,15 @@ class MemoryTracker:
             return self
         mode = self._mode = _LiveStorages()
         if self.model is not None:
-            for st in _storages(self._params()):
+            for st in _storages(self._param_list):
                 mode.add(st, "parameters")
             for st in _storages(list(self.model.buffers())):
                 mode.add(st, "buffers")
-            for st in _storages([p.grad for p in self._params()]):
-                mode.add(st, "gradients")
-        for st in _storages(_optimizer_state_tensors(self.optimizer)):
+        for st in _storages(self._grads()):
+            mode.add(st, "gradients")
+        for st in _storages(_optimizer_state_tensors(self.optimizer) + self._copies(self.optimizer)):
             mode.add(st, "optimizer_state")
+        mode.relabel_grads = self._relabel_grads
         # Global hooks, as MemTracker's: every optimizer's step (also per-parameter optimizers that
         # step inside backward) labels what it allocates as optimizer memory.
         self._handles.append(register_optimizer_step_pre_hook(self._on_step_begin))
@@ -242,6 +367,7 @@ class MemoryTracker:
             return
         mode = self._mode
         assert mode is not None
+        self._relabel_grads()  # gradients assigned since the last walk, also in the peak breakdown
         self.peak_bytes = mode.peak
         self.breakdown = dict(mode.peak_breakdown)
         mode.__exit__(*exc)
@@ -255,8 +381,18 @@ class MemoryTracker:
                 self._mode.relabel(st, "gradients")
                 self._mode.update_peak()
 
+    def _relabel_grads(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        if self._mode is not None:
+            self._mode.grads_pending = False
+            for st in _storages(self._grads(optimizer)):
+                self._mode.relabel(st, "gradients", retroactive=True)
+            self._mode.update_peak()
+
     def _on_step_begin(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._mode is not None:
+            self._relabel_grads(optimizer)
+            for st in _storages(self._copies(optimizer)):
+                self._mode.relabel(st, "optimizer_state", retroactive=True)
             self._mode.new_category = "optimizer_state"
 
     def _on_step_end(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -269,12 +405,11 @@ class MemoryTracker:
         def nbytes(tensors: Iterable[Any]) -> int:
             return sum({id(st): st.nbytes() for st in _storages(list(tensors))}.values())
 
-        params = self._params()
         out = dict.fromkeys(CATEGORIES, 0)
-        out["parameters"] = nbytes(params)
+        out["parameters"] = nbytes(self._param_list)
         out["buffers"] = nbytes(self.model.buffers()) if self.model is not None else 0
-        out["gradients"] = max(sum(self._grad_bytes.values()), nbytes(p.grad for p in params))
-        out["optimizer_state"] = nbytes(_optimizer_state_tensors(self.optimizer))
+        out["gradients"] = max(sum(self._grad_bytes.values()), nbytes(self._grads()))
+        out["optimizer_state"] = nbytes(_optimizer_state_tensors(self.optimizer) + self._copies(self.optimizer))
         out["activations"] = max(0, self.peak_bytes - sum(out.values()))
         return out
 

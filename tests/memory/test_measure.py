@@ -1,17 +1,28 @@
-"""MemoryTracker: the same peak and breakdown as torch's MemTracker, the same on fake tensors."""
+"""MemoryTracker: the same peak and breakdown as torch's MemTracker, the same on fake tensors; FSDP2,
+DDP and fp32 master weights labelled (on a fake process group of N ranks in this process)."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.distributed as tdist
+import torch.nn.functional as F
 import torchvision
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from memfit.connector import setup
 from memfit.memory.measure import CATEGORIES, MB, MemoryTracker
+from memfit.model import BaseModel
+from memfit.strategies import SingleDeviceStrategy
 
 
 def mlp() -> nn.Module:
@@ -192,3 +203,178 @@ def test_cuda_peak_from_allocator() -> None:
     assert t.peak_bytes == torch.cuda.max_memory_allocated()
     assert t.breakdown["parameters"] == sum(p.numel() * 4 for p in model.parameters())
     assert sum(t.breakdown.values()) >= t.peak_bytes
+
+
+# -- distributed: a fake process group of N ranks in this process --------------------------------------
+BLOCKS = 4
+PARAM_BYTES = (BLOCKS * 256 * 257 + 10 * 257) * 4  # 4 Linear(256, 256) and a Linear(256, 10) head, fp32
+STEP_COUNTERS = (2 * BLOCKS + 2) * 4  # Adam's fp32 ``step`` scalar per parameter
+MARKER = 4_000_000
+
+
+@pytest.fixture
+def fake_pg(request: pytest.FixtureRequest) -> Iterator[int]:
+    """A fake process group of ``request.param`` ranks (4 by default), this process rank 0; destroyed
+    afterwards even when the test fails."""
+    world_size = getattr(request, "param", 4)
+    tdist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield world_size
+    finally:
+        tdist.destroy_process_group()
+
+
+def blocks() -> nn.Sequential:
+    return nn.Sequential(*[nn.Linear(256, 256) for _ in range(BLOCKS)], nn.Linear(256, 10))
+
+
+def fsdp_blocks(world_size: int, fake: FakeTensorMode) -> nn.Sequential:
+    """``blocks()`` as tensors of ``fake``, the mode the step then runs in (tensors of another fake mode
+    would be copied), sharded with FSDP2: each block, then the root. The planner's recipe: build on
+    meta, materialise in fake mode; the mesh is real."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    with torch.device("meta"):
+        model = blocks()
+    with fake:
+        model.to_empty(device="cpu")
+        for block in model[:BLOCKS]:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def sharded_bytes(model: nn.Module) -> int:
+    return sum(p.to_local().nbytes for p in model.parameters())
+
+
+def marked_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    """``step`` with ``MARKER`` bytes allocated after backward: the peak, after the last reduce-scatter."""
+    nn.functional.cross_entropy(model(x), y).backward()
+    torch.empty(MARKER // 4)
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("fake_pg", [4, 8], indirect=True)
+def test_fsdp2_peak_equals_torch_fsdp_mem_tracker(fake_pg: int) -> None:
+    """Same peak as torch's FSDPMemTracker; gathered parameters and all-gather/reduce-scatter buffers are
+    communication, the batch is the only input."""
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    model = fsdp_blocks(fake_pg, fake)
+    with fake:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x, y = torch.randn(32, 256), torch.arange(32) % 10
+        step(model, opt, x, y)  # FSDP's lazy init and Adam's state
+        with MemoryTracker(model, opt) as ours:
+            step(model, opt, x, y)
+        theirs = FSDPMemTracker(model, opt)
+        theirs.track_inputs((x, y))
+        with theirs:
+            step(model, opt, x, y)
+    # Keyed by _FSDPRefType members, and "Total".
+    snap = {getattr(ref, "name", ref): n for ref, n in theirs.get_tracker_snapshot("peak")[x.device].items()}
+    got = ours.breakdown
+    assert ours.peak_bytes == snap["Total"] == sum(got.values())
+    assert got["parameters"] == snap["SHARDED_PARAM"] == sharded_bytes(model)
+    assert sharded_bytes(model) == pytest.approx(PARAM_BYTES / fake_pg, rel=0.01)  # up to padding
+    assert got["optimizer_state"] == snap["OPT"] == 2 * sharded_bytes(model) + STEP_COUNTERS
+    assert got["communication"] == snap["UNSHARDED_PARAM"] + snap["ALL_GATHER"] + snap["REDUCE_SCATTER"] > 0
+    assert got["inputs"] == snap["INP"] == x.nbytes + y.nbytes
+    # The peak is in backward: FSDPMemTracker counts the unsharded gradients as temporaries, we as gradients.
+    assert got["gradients"] > snap["SHARDED_GRAD"] + snap["UNSHARDED_GRAD"]
+    theirs_grads_and_temps = sum(snap[k] for k in ("SHARDED_GRAD", "UNSHARDED_GRAD", "ACT", "TEMP"))
+    assert got["gradients"] + got["activations"] == theirs_grads_and_temps
+
+
+@pytest.mark.parametrize("hooks", [True, False], ids=["hooks", "no-hooks"])
+@pytest.mark.parametrize("fake_pg", [4, 8], indirect=True)
+def test_fsdp2_sharded_gradients_at_a_peak_after_reduce_scatter(fake_pg: int, hooks: bool,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """FSDP2 assigns each sharded gradient (a view of the reduce-scatter output) to ``param.grad``. torch
+    2.14 then calls the post-accumulate-grad hooks; without them (``no-hooks``, as an FSDP2 that does not
+    call them) the walks after each reduce-scatter, at the optimizer step and at exit find the gradients,
+    also for a peak before them."""
+    if not hooks:
+        monkeypatch.setattr(MemoryTracker, "_on_grad", lambda self, p: None)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    model = fsdp_blocks(fake_pg, fake)
+    with fake:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x, y = torch.randn(32, 256), torch.arange(32) % 10
+        breakdowns = []
+        for _ in range(2):
+            with MemoryTracker(model, opt) as t:
+                marked_step(model, opt, x, y)
+            breakdowns.append(t.breakdown)
+    shard = sharded_bytes(model)
+    common = dict.fromkeys(CATEGORIES, 0) | dict(parameters=shard, gradients=shard, activations=MARKER,
+                                                 inputs=x.nbytes + y.nbytes)
+    # The first step makes Adam's state after the peak; the second holds it from the start.
+    assert breakdowns[0] == common
+    assert breakdowns[1] == common | dict(optimizer_state=2 * shard + STEP_COUNTERS)
+
+
+def test_fsdp2_gradients_accumulated_without_sync(fake_pg: int) -> None:
+    """With gradient sync off FSDP2 keeps the unsharded gradients on its own records, no parameter's
+    ``.grad``: they are gradients (the whole model's, unsharded), not activations."""
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    model = fsdp_blocks(fake_pg, fake)
+    with fake:
+        x, y = torch.randn(32, 256), torch.arange(32) % 10
+        with MemoryTracker(model) as t:
+            model.set_requires_gradient_sync(False)
+            nn.functional.cross_entropy(model(x), y).backward()
+            torch.empty(MARKER // 4)
+    assert t.breakdown == dict.fromkeys(CATEGORIES, 0) | dict(parameters=sharded_bytes(model), gradients=PARAM_BYTES,
+                                                              activations=MARKER, inputs=x.nbytes + y.nbytes)
+
+
+def test_ddp_buckets_are_communication(fake_pg: int) -> None:
+    """DDP's buckets (allocated in C++ when DDP is built, first seen by the step's all-reduce) are
+    communication, not inputs. Real CPU tensors: DDP's reducer cannot run on fake ones."""
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(blocks(), init_sync=False)
+
+    def all_reduce(state, bucket):  # unannotated: DDP rejects the string annotations of this module
+        # The fake group's Work carries no result, which DDP's default hook returns: return the bucket.
+        tdist.all_reduce(bucket.buffer())
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    model.register_comm_hook(None, all_reduce)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(32, 256), torch.arange(32) % 10
+    marked_step(model, opt, x, y)
+    with MemoryTracker(model, opt) as t:
+        marked_step(model, opt, x, y)
+    assert t.breakdown == dict.fromkeys(CATEGORIES, 0) | dict(
+        parameters=PARAM_BYTES, gradients=PARAM_BYTES, optimizer_state=2 * PARAM_BYTES + STEP_COUNTERS,
+        communication=PARAM_BYTES, activations=MARKER, inputs=x.nbytes + y.nbytes)
+
+
+class Classifier(BaseModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, mode: str = "tensor") -> object:
+        logits = self.net(x)
+        return dict(loss=F.cross_entropy(logits.float(), y)) if mode == "loss" else logits
+
+
+def test_fp32_master_weights_are_optimizer_state() -> None:
+    """Apex O2 (bf16 model): the optimizer steps fp32 copies of the parameters; they are optimizer state
+    (as ZeRO counts them), not inputs, and their gradients are gradients."""
+    torch.manual_seed(0)
+    model, wrapper = setup(Classifier(), SingleDeviceStrategy(), dict(optimizer=dict(type="SGD", lr=0.1)),
+                           precision=dict(opt_level="O2", dtype="bfloat16"))
+    x, y = batch("mlp")
+    model.train_step((x, y), optim_wrapper=wrapper)
+    with MemoryTracker(model, wrapper.optimizer) as t:
+        model.train_step((x, y), optim_wrapper=wrapper)
+    n = sum(p.numel() for p in model.parameters())
+    assert t.breakdown["parameters"] == 2 * n  # bf16
+    assert t.breakdown["optimizer_state"] == 4 * n  # the fp32 masters (plain SGD keeps no state)
+    assert t.breakdown["inputs"] == x.nbytes + y.nbytes
+    assert t.breakdown["gradients"] > 2 * n  # at the peak: fp32 master gradients and the bf16 ones not yet moved
