@@ -10,7 +10,8 @@ Two kinds of run (:func:`measure_step`):
 
 - ``full``: two optimizer steps of k micro-steps each, so the optimizer state exists; the peaks of
   the second step's forward/backward phase and optimizer phase are reported apart (the planner
-  composes them) with the tracker's breakdown at each.
+  composes them) with the tracker's breakdown at each. ``steps=1`` runs one optimizer step and adds
+  the optimizer state it created to the forward/backward phase, which is what the second step holds.
 - ``forward_backward``: one micro-step without an optimizer step, for the activation side of a plan
   (its peak, FLOPs including recomputation, and operator count).
 """
@@ -31,7 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.errors import ConfigError
-from memfit.memory.measure import MemoryTracker
+from memfit.memory.measure import MemoryTracker, _optimizer_state_tensors, _storages
 
 # Collectives by kind: an all-gather's traffic is its output, a reduce-scatter's its input.
 _GATHER = ("all_gather", "allgather", "_allgather_base")
@@ -184,7 +185,7 @@ def first_batch(loader_cfg: dict) -> Any:
 
 
 def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model: nn.Module | None = None,
-                 ) -> StepMeasurement:
+                 steps: int = 2) -> StepMeasurement:
     """Run the config's training step on fake tensors inside the current (fake) process group.
 
     ``full``: two optimizer steps (see the module docstring); otherwise one micro-step's forward and
@@ -222,6 +223,10 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
     techniques = {**(cfg.get("cfg") or {}), **{k: cfg[k] for k in ("activation_checkpointing",
                                                                     "efficient_conv_bn_eval") if k in cfg}}
     optim_cfg = copy.deepcopy(cfg["optim_wrapper"])
+    if isinstance(optim_cfg, dict) and "float16" == str(optim_cfg.get("dtype", "")).removeprefix("torch."):
+        # fp16 holds the same bytes as bf16, but GradScaler.step reads found_inf on the host (.item()),
+        # which fake tensors cannot answer: measure the bf16 step (the scaler's state is a few scalars).
+        optim_cfg["dtype"] = "bfloat16"
     if not full and isinstance(optim_cfg, dict):
         optim_cfg["accumulative_counts"] = 2  # one micro-step of two: backward without a step
     optim_cfg = scale_lr_cfg(optim_cfg, cfg.get("auto_scale_lr"), lambda: cfg["train_dataloader"]["batch_size"] * world)
@@ -232,15 +237,23 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
         precision = precision_options(cfg.get("precision"))
         model, wrapper = setup(model, strategy, optim_cfg, techniques, precision=precision)
         buckets = _ddp_bucket_bytes(model) if isinstance(strategy, DDPStrategy) else 0
-        micro_steps = 2 * counts if full else 1
+        micro_steps = steps * counts if full else 1
         wrapper.initialize_count_status(model, 0, micro_steps)
         counter = _OpCounter()
         with MemoryTracker(model, wrapper.optimizer) as tracker, counter:
             phases = _Phases(tracker)
             for i in range(micro_steps):
-                counter.counting = (i == micro_steps - 1) if not full else i >= counts
+                counter.counting = (i == micro_steps - 1) if not full else i >= micro_steps - counts
                 model.train_step(batch, optim_wrapper=wrapper)
             overall = phases.close()
+        if full and steps == 1:
+            # Every later forward/backward runs beside the optimizer state the first step created (and
+            # is otherwise the same): add it rather than run a second step.
+            state = sum({id(st): st.nbytes() for st in _storages(_optimizer_state_tensors(wrapper.optimizer))}.values())
+            fb = phases.fb
+            fb.peak += state
+            fb.breakdown["optimizer_state"] = fb.breakdown.get("optimizer_state", 0) + state
+            overall = max(overall, fb, key=lambda p: p.peak)
     for phase in (overall, phases.fb, phases.opt):
         phase.peak += buckets
         phase.breakdown["communication"] = phase.breakdown.get("communication", 0) + buckets

@@ -21,8 +21,8 @@ The recommended plan is then run whole (1) and replaced by its measurement befor
 from __future__ import annotations
 
 import logging
-import sys
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -30,7 +30,8 @@ from memfit.errors import ConfigError
 from memfit.planner import devices
 from memfit.planner.cost import ModelState, step_seconds
 from memfit.planner.devices import Device
-from memfit.planner.fake import StepMeasurement, build_meta_model, fake_process_group, first_batch, measure_step
+from memfit.planner.fake import StepMeasurement, build_meta_model
+from memfit.planner.runs import Runs
 from memfit.planner.space import ModelFacts, Plan, configured_plan, enumerate_plans
 
 AUTO_FIT_MARGIN = 0.05  # the recommended plan leaves 5% of the budget free
@@ -98,39 +99,6 @@ def _offloaded(breakdown: dict[str, int]) -> dict[str, int]:
     return {**breakdown, "parameters": 0, "gradients": 0, "optimizer_state": 0}
 
 
-class _Runs:
-    """The fake steps the prediction needs, run once each (with a progress bar) and cached."""
-
-    def __init__(self, cfg: dict, facts: ModelFacts, meta: Any, total: int, progress: bool) -> None:
-        self.cfg, self.facts, self.meta = cfg, facts, meta
-        self.cache: dict[Any, StepMeasurement] = {}
-        self.batches: dict[int, Any] = {}
-        self.bar = None
-        if progress:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, desc="memfit plan", unit="step", leave=False, file=sys.stderr)
-
-    def run(self, key: Any, plan: Plan, full: bool, single: bool = False) -> StepMeasurement:
-        if key not in self.cache:
-            cfg = plan.apply(self.cfg, self.facts)
-            if single:
-                cfg["strategy"] = dict(type="SingleDeviceStrategy")
-            mb = cfg["train_dataloader"]["batch_size"]
-            if mb not in self.batches:
-                self.batches[mb] = first_batch(cfg["train_dataloader"])
-            if self.bar is not None:
-                self.bar.set_postfix_str(plan.name if full else f"{plan.name} (forward/backward)")
-            self.cache[key] = measure_step(cfg, full=full, batch=self.batches[mb], meta_model=self.meta)
-            if self.bar is not None:
-                self.bar.update(1)
-        return self.cache[key]
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def predict(cfg: dict, *, device: Device, world_size: int = 1, budget: int | None = None, as_is: bool = False,
             progress: bool = False, verify: bool = True) -> Prediction:
     """Predict the plans of ``cfg`` at ``world_size`` ranks on ``device`` (see the module docstring).
@@ -147,7 +115,9 @@ def predict(cfg: dict, *, device: Device, world_size: int = 1, budget: int | Non
     level = log.level
     log.setLevel(logging.ERROR)  # techniques log each module they touch, precisions their CPU caveats
     try:
-        return _predict(cfg, device, world_size, budget, as_is, progress, verify, start)
+        with warnings.catch_warnings():  # FSDP's view-output and autocast notes, once per fake step
+            warnings.simplefilter("ignore", UserWarning)
+            return _predict(cfg, device, world_size, budget, as_is, progress, verify, start)
     finally:
         log.setLevel(level)
 
@@ -160,29 +130,27 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
     precisions = tuple(p for p in ("fp32", "bf16", "fp16") if device.dtype_tflops(p))
     plans = [] if as_is else [p for p in enumerate_plans(configured, facts, world_size, precisions) if p != configured]
     ref = Plan("fp32", "none", "none", "none", False, configured.micro_batch, configured.accumulative_counts)
-    shard_keys = sorted({(p.sharding, p.offload) for p in plans})
-    act_keys = sorted({(_half(p), p.activation_checkpointing, p.efficient_conv_bn_eval) for p in plans})
     micro = sorted({p.micro_batch for p in plans} - {configured.micro_batch})
-    total = 1 + len(shard_keys) + (len(act_keys) + 1 + len(micro) if plans else 0)
-    with fake_process_group(world_size):
-        runs = _Runs(cfg, facts, meta, total, progress)
-        try:
-            own = runs.run("configured", configured, full=True)
-            results = [_result(configured, own, own, device, world_size, configured.accumulative_counts, "measured")]
-            if plans:
-                compose = _Composer(runs, ref, device, world_size)
-                results += [compose(p) for p in plans]
-            _rank(results, budget)
-            recommended = _recommend(results, budget)
-            while verify and recommended is not None and results[recommended].source != "measured":
-                r = results[recommended]
-                m = runs.run(("verify", r.plan), r.plan, full=True)
-                results[recommended] = replace(_result(r.plan, m, m, device, world_size, r.plan.accumulative_counts,
-                                                       "measured"), seconds=r.seconds)
-                _rank(results, budget)
-                recommended = _recommend(results, budget)
-        finally:
-            runs.close()
+    runs = Runs(cfg, facts, meta, world_size, progress)
+    compose = _Composer(runs, ref, device, world_size, micro)
+    runs.collecting = True  # first pass: which fake steps the composition needs; then run them all at once
+    runs.run("configured", configured, full=True)
+    for p in plans:
+        compose(p)
+    runs.collecting = False
+    runs.execute()
+    own = runs.run("configured", configured, full=True)
+    results = [_result(configured, own, own, device, world_size, configured.accumulative_counts, "measured")]
+    results += [compose(p) for p in plans]
+    _rank(results, budget)
+    recommended = _recommend(results, budget)
+    while verify and recommended is not None and results[recommended].source != "measured":
+        r = results[recommended]
+        m = runs.run(("verify", r.plan), r.plan, full=True)
+        results[recommended] = replace(_result(r.plan, m, m, device, world_size, r.plan.accumulative_counts,
+                                               "measured"), seconds=r.seconds)
+        _rank(results, budget)
+        recommended = _recommend(results, budget)
     order = sorted(range(len(results)), key=lambda i: (results[i].seconds, results[i].peak_bytes))
     index = {old: new for new, old in enumerate(order)}
     return Prediction(device, world_size, budget, [results[i] for i in order],
@@ -199,12 +167,14 @@ def _state(m: StepMeasurement) -> ModelState:
 
 
 def _result(plan: Plan, step: StepMeasurement, micro: StepMeasurement, device: Device, world_size: int,
-            shard_counts: int, source: str = "composed", fb_delta: int = 0) -> PlanResult:
-    """A plan's figures from its sharding's full step, with its own activations' difference added to
-    the forward/backward phase (0 when ``step`` is this plan's own step)."""
+            shard_counts: int, source: str = "composed", fb_delta: int = 0, fb_grads: int = 0) -> PlanResult:
+    """A plan's figures from its sharding's full step, with its own activations' difference (and
+    accumulated gradients) added to the forward/backward phase (0 when ``step`` is this plan's own)."""
     fb = dict(step.forward_backward.breakdown)
     fb["activations"] = fb.get("activations", 0) + fb_delta
-    phases = [(step.forward_backward.peak + fb_delta, fb), (step.optimizer.peak, dict(step.optimizer.breakdown))]
+    fb["gradients"] = fb.get("gradients", 0) + fb_grads
+    phases = [(step.forward_backward.peak + fb_delta + fb_grads, fb),
+              (step.optimizer.peak, dict(step.optimizer.breakdown))]
     if source == "measured":  # the plan's own step: the first step's peak counts too
         phases.append((step.peak, dict(step.breakdown)))
     if plan.offload == "params" and device.cuda:
@@ -218,41 +188,50 @@ def _result(plan: Plan, step: StepMeasurement, micro: StepMeasurement, device: D
 class _Composer:
     """Composes a plan from its sharding's full step and its activations' forward/backward step."""
 
-    def __init__(self, runs: _Runs, ref: Plan, device: Device, world_size: int) -> None:
+    def __init__(self, runs: Runs, ref: Plan, device: Device, world_size: int, micro_batches: list[int]) -> None:
         self.runs, self.ref, self.device, self.world = runs, ref, device, world_size
         self.grad_bytes = sum(p.numel() * p.element_size() for p in runs.meta.parameters() if p.requires_grad)
+        # Two reference points, the configured micro-batch and the next smaller one, give the line
+        # along which the batch-dependent bytes and FLOPs run for every smaller micro-batch.
+        self.half = max(micro_batches) if micro_batches else None
+
+    def _act(self, plan: Plan, mb: int) -> StepMeasurement:
+        """The single-process forward/backward of ``plan``'s activation choices at micro-batch ``mb``."""
+        ref = self.ref
+        act = replace(ref, precision=plan.precision if plan.precision != "fp16" else "bf16",
+                      activation_checkpointing=plan.activation_checkpointing,
+                      efficient_conv_bn_eval=plan.efficient_conv_bn_eval, micro_batch=mb,
+                      accumulative_counts=max(ref.micro_batch * ref.accumulative_counts // mb, 1))
+        return self.runs.run(("act", _half(plan), plan.activation_checkpointing, plan.efficient_conv_bn_eval, mb),
+                             act, full=False, single=True)
 
     def __call__(self, plan: Plan) -> PlanResult:
         ref = self.ref
-        shard = self.runs.run(("shard", plan.sharding, plan.offload),
-                              replace(ref, sharding=plan.sharding, offload=plan.offload), full=True)
-        base = self.runs.run(("act", "fp32", "none", False, ref.micro_batch), ref, full=False, single=True)
-        act_plan = replace(ref, precision=plan.precision if plan.precision != "fp16" else "bf16",
-                           activation_checkpointing=plan.activation_checkpointing,
-                           efficient_conv_bn_eval=plan.efficient_conv_bn_eval)
-        act = self.runs.run(("act", _half(plan), plan.activation_checkpointing, plan.efficient_conv_bn_eval,
-                             ref.micro_batch), act_plan, full=False, single=True)
-        delta = act.forward_backward.peak - base.forward_backward.peak
-        flops, ops = act.flops, act.ops
-        if plan.micro_batch != ref.micro_batch:
-            small = replace(ref, micro_batch=plan.micro_batch,
-                            accumulative_counts=ref.micro_batch * ref.accumulative_counts // plan.micro_batch)
-            base_mb = self.runs.run(("act", "fp32", "none", False, plan.micro_batch), small, full=False, single=True)
-            scale = _batch_bytes(base_mb) / max(_batch_bytes(base), 1)
-            delta = (base_mb.forward_backward.peak - base.forward_backward.peak) + int(delta * scale)
-            flops = int(act.flops * base_mb.flops / max(base.flops, 1))
-        if plan.accumulative_counts > 1 and ref.accumulative_counts == 1:
-            # Accumulating: the gradients of earlier micro-steps stay whole (unsharded, unreduced) through
-            # every later micro-step, where the reference step only had those produced so far.
-            delta += self.grad_bytes - shard.forward_backward.breakdown.get("gradients", 0)
-        micro = replace(act, flops=flops, ops=ops)
-        return _result(plan, shard, micro, self.device, self.world, ref.accumulative_counts, fb_delta=delta)
-
-
-def _batch_bytes(m: StepMeasurement) -> int:
-    """The forward/backward peak's bytes that grow with the batch (everything but the model state)."""
-    b = m.forward_backward.breakdown
-    return m.forward_backward.peak - sum(b.get(k, 0) for k in _STATE)
+        accumulates = plan.accumulative_counts > 1 and ref.accumulative_counts == 1
+        shard_ref = replace(ref, sharding=plan.sharding, offload=plan.offload)
+        if accumulates and plan.sharding in ("zero2", "fsdp"):
+            # FSDP without gradient sync keeps unsharded gradients and their reduce buffers across
+            # micro-steps: measure that on a step that accumulates, at the smaller micro-batch.
+            shard_ref = replace(shard_ref, micro_batch=self.half,
+                                accumulative_counts=ref.micro_batch * ref.accumulative_counts // self.half)
+        shard = self.runs.run(("shard", plan.sharding, plan.offload, shard_ref.micro_batch), shard_ref, full=True,
+                              steps=1)
+        base, act = self._act(ref, shard_ref.micro_batch), self._act(plan, ref.micro_batch)
+        peak, flops = act.forward_backward.peak, act.flops
+        if plan.micro_batch != ref.micro_batch:  # along the line through this choice's two micro-batches
+            small = self._act(plan, self.half)
+            t = (ref.micro_batch - plan.micro_batch) / (ref.micro_batch - self.half)  # 0 at ref, 1 at half
+            peak = int(peak + t * (small.forward_backward.peak - peak))
+            flops = int(flops + t * (small.flops - flops))
+        delta = peak - base.forward_backward.peak
+        fb_grads = 0
+        if accumulates and shard_ref.accumulative_counts == 1:
+            # DDP and ZeRO-1 accumulate into whole gradients that stay through every later micro-step,
+            # where the reference step held only those produced so far at its peak.
+            fb_grads = self.grad_bytes - shard.forward_backward.breakdown.get("gradients", 0)
+        micro = replace(act, flops=flops)
+        return _result(plan, shard, micro, self.device, self.world, shard_ref.accumulative_counts, fb_delta=delta,
+                       fb_grads=fb_grads)
 
 
 def _rank(results: list[PlanResult], budget: int) -> None:

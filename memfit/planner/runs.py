@@ -1,0 +1,115 @@
+"""The fake steps a prediction needs: collected first, then run once each, in parallel processes.
+
+The composer asks for runs by key; in the collecting pass it gets placeholders and the keys are
+recorded, so the composition code alone decides which steps are needed. The recorded steps then run
+in worker processes (one per CPU core, at most 4): each is a single-threaded Python walk over fake
+tensors, so they scale with cores. Workers are forked with the meta model already built and join a
+fake process group of their own.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import Any
+
+from memfit.planner.fake import Phase, StepMeasurement, fake_process_group, first_batch, measure_step
+from memfit.planner.space import ModelFacts, Plan
+
+_WORKER: dict[str, Any] = {}  # the forked worker's meta model, world size and batches
+
+
+def _init_worker(world_size: int) -> None:
+    import logging
+    import warnings
+
+    import torch
+
+    torch.set_num_threads(1)
+    logging.getLogger("memfit").setLevel(logging.ERROR)
+    warnings.simplefilter("ignore", UserWarning)
+    group = fake_process_group(world_size)
+    group.__enter__()  # held for the worker's life
+    _WORKER["group"] = group
+
+
+def _run_one(cfg: dict, full: bool, steps: int) -> StepMeasurement:
+    batches = _WORKER.setdefault("batches", {})
+    mb = cfg["train_dataloader"]["batch_size"]
+    if mb not in batches:
+        batches[mb] = first_batch(cfg["train_dataloader"])
+    return measure_step(cfg, full=full, batch=batches[mb], meta_model=_WORKER["meta"], steps=steps)
+
+
+def workers() -> int:
+    """Processes to run fake steps in: the cores this process may use, at most 4 (MEMFIT_PLAN_WORKERS)."""
+    if "MEMFIT_PLAN_WORKERS" in os.environ:
+        return max(1, int(os.environ["MEMFIT_PLAN_WORKERS"]))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, 4))
+
+
+class Runs:
+    """Cached fake steps by key. ``collecting``: :meth:`run` records and returns a placeholder."""
+
+    def __init__(self, cfg: dict, facts: ModelFacts, meta: Any, world_size: int, progress: bool) -> None:
+        self.cfg, self.facts, self.meta, self.world = cfg, facts, meta, world_size
+        self.cache: dict[Any, StepMeasurement] = {}
+        self.pending: dict[Any, tuple[dict, bool, int, str]] = {}
+        self.collecting = False
+        self.progress = progress
+
+    def _cfg(self, plan: Plan, single: bool) -> dict:
+        cfg = plan.apply(self.cfg, self.facts)
+        if single:
+            cfg["strategy"] = dict(type="SingleDeviceStrategy")
+        return cfg
+
+    def run(self, key: Any, plan: Plan, full: bool, single: bool = False, steps: int = 2) -> StepMeasurement:
+        if key in self.cache:
+            return self.cache[key]
+        if self.collecting:
+            self.pending[key] = (self._cfg(plan, single), full, steps, plan.name)
+            return StepMeasurement(0, {}, Phase(), Phase())
+        self.pending = {key: (self._cfg(plan, single), full, steps, plan.name)}
+        self.execute()
+        return self.cache[key]
+
+    def execute(self) -> None:
+        """Run every pending step (in worker processes when there are several), with a progress bar."""
+        pending, self.pending = self.pending, {}
+        if not pending:
+            return
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(pending), desc="memfit plan", unit="step", leave=False, file=sys.stderr)
+        n = min(workers(), len(pending))
+        try:
+            if n == 1 or "fork" not in multiprocessing.get_all_start_methods():
+                _WORKER["meta"] = self.meta
+                with fake_process_group(self.world):
+                    for key, (cfg, full, steps, name) in pending.items():
+                        if bar is not None:
+                            bar.set_postfix_str(name)
+                        self.cache[key] = _run_one(cfg, full, steps)
+                        if bar is not None:
+                            bar.update(1)
+                return
+            _WORKER["meta"] = self.meta  # inherited by the forked workers
+            ctx = multiprocessing.get_context("fork")
+            with ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker, initargs=(self.world,)) as pool:
+                futures = {pool.submit(_run_one, cfg, full, steps): key
+                           for key, (cfg, full, steps, _) in pending.items()}
+                for future in as_completed(futures):
+                    self.cache[futures[future]] = future.result()
+                    if bar is not None:
+                        bar.update(1)
+        finally:
+            _WORKER.pop("meta", None)
+            _WORKER.pop("batches", None)
+            if bar is not None:
+                bar.close()
