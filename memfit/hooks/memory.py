@@ -3,7 +3,8 @@
 ``custom_hooks=[dict(type='MemoryMonitorHook')]`` wraps every logged training iteration in a
 :class:`memfit.memory.measure.MemoryTracker` and puts ``memory/peak_mb``, ``memory/activations_mb``,
 ``memory/parameters_mb``, ``memory/gradients_mb``, ``memory/optimizer_state_mb``,
-``memory/buffers_mb`` and ``memory/inputs_mb`` (MB = 2**20 bytes) into the message hub.
+``memory/buffers_mb``, ``memory/communication_mb`` and ``memory/inputs_mb`` (MB = 2**20 bytes) into
+the message hub.
 
 Cost: on CUDA the tracker reads the allocator's counters (negligible). On CPU it sees every operator
 through a dispatch mode, which slows the measured iterations (a few times on small CPU ops), so
