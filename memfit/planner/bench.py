@@ -92,6 +92,7 @@ def bench(cfg: dict, plans: list[Plan], facts: ModelFacts, steps: int = 3, progr
         bar = tqdm(total=len(plans), desc="memfit bench", unit="plan", leave=False, file=sys.stderr)
     out = []
     try:
+        measure_plan(cfg, plans[0], facts, steps=1)  # the process's first steps pay one-off start-up costs
         for plan in plans:
             if bar is not None:
                 bar.set_postfix_str(plan.name)
