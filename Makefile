@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml Makefile
 
 demo: venv
 	$(BIN)/memfit train configs/vit_shapes.py --work-dir work_dirs/demo
+	$(BIN)/memfit plan configs/vit_shapes.py --gpu 4090 --top 10 --work-dir work_dirs/demo
 
 test: venv
 	$(BIN)/ruff check memfit tests benchmarks
