@@ -18,7 +18,7 @@ import torch
 
 from memfit.memory.measure import MemoryTracker
 from memfit.planner.fake import first_batch
-from memfit.planner.space import ModelFacts, Plan
+from memfit.planner.space import ModelFacts, Plan, technique_cfg
 
 
 @dataclass
@@ -49,8 +49,7 @@ def measure_plan(cfg: dict, plan: Plan, facts: ModelFacts, steps: int = 3, batch
     torch.manual_seed(0)
     strategy = build_strategy(run_cfg.get("strategy") or ("ddp" if torch.distributed.is_initialized() else None))
     model = MODELS.build(run_cfg["model"], key="model")
-    techniques = {**(run_cfg.get("cfg") or {}), **{k: run_cfg[k] for k in ("activation_checkpointing",
-                                                                            "efficient_conv_bn_eval") if k in run_cfg}}
+    techniques = technique_cfg(run_cfg)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     optim_cfg = scale_lr_cfg(run_cfg["optim_wrapper"], run_cfg.get("auto_scale_lr"),
                              lambda: run_cfg["train_dataloader"]["batch_size"] * world)

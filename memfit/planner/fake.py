@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.errors import ConfigError
 from memfit.memory.measure import MemoryTracker, _optimizer_state_tensors, _storages
+from memfit.planner.space import technique_cfg
 
 # Collectives by kind: an all-gather's traffic is its output, a reduce-scatter's its input.
 _GATHER = ("all_gather", "allgather", "_allgather_base")
@@ -220,8 +221,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
     if batch is None:
         batch = first_batch(cfg["train_dataloader"])
     model = copy.deepcopy(meta_model) if meta_model is not None else build_meta_model(cfg["model"])
-    techniques = {**(cfg.get("cfg") or {}), **{k: cfg[k] for k in ("activation_checkpointing",
-                                                                    "efficient_conv_bn_eval") if k in cfg}}
+    techniques = technique_cfg(cfg)
     optim_cfg = copy.deepcopy(cfg["optim_wrapper"])
     if isinstance(optim_cfg, dict) and "float16" == str(optim_cfg.get("dtype", "")).removeprefix("torch."):
         # fp16 holds the same bytes as bf16, but GradScaler.step reads found_inf on the host (.item()),

@@ -161,6 +161,14 @@ def _strategy(plan: Plan, current: Any) -> Any:
     return None  # the runner's default: one device, or DDP when launched as several processes
 
 
+def technique_cfg(cfg: dict) -> dict:
+    """The memory-technique switches of a config, merged as ``Runner.from_cfg`` merges them
+    (``cfg=dict(...)`` and the top-level keys)."""
+    from memfit.config.schema import TECHNIQUE_KEYS
+
+    return {**(cfg.get("cfg") or {}), **{k: cfg[k] for k in TECHNIQUE_KEYS if k in cfg and k != "auto_fit"}}
+
+
 def configured_plan(cfg: dict, facts: ModelFacts, cuda: bool = True) -> Plan:
     """The plan a config describes, marked ``configured`` (its own settings are kept when applied).
     An ``AmpOptimWrapper`` without a dtype is what the target resolves it to: fp16 on CUDA; on a CPU,
@@ -175,8 +183,7 @@ def configured_plan(cfg: dict, facts: ModelFacts, cuda: bool = True) -> Plan:
             precision = "bf16"
         elif "float16" in dtype or (not dtype and cuda):
             precision = "fp16"
-    techniques = {**(cfg.get("cfg") or {}), **{k: cfg[k] for k in ("activation_checkpointing",
-                                                                    "efficient_conv_bn_eval") if k in cfg}}
+    techniques = technique_cfg(cfg)
     ac = techniques.get("activation_checkpointing")
     strategy = cfg.get("strategy")
     kind = strategy.get("type") if isinstance(strategy, dict) else strategy
