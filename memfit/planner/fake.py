@@ -238,7 +238,9 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
         model, wrapper = setup(model, strategy, optim_cfg, techniques, precision=precision)
         buckets = _ddp_bucket_bytes(model) if isinstance(strategy, DDPStrategy) else 0
         micro_steps = steps * counts if full else 1
-        wrapper.initialize_count_status(model, 0, micro_steps)
+        # A forward/backward run is the first micro-step of a window of two that does not end here (a
+        # window cut short by the end of training would step the optimizer).
+        wrapper.initialize_count_status(model, 0, micro_steps if full else 2)
         counter = _OpCounter()
         with MemoryTracker(model, wrapper.optimizer) as tracker, counter:
             phases = _Phases(tracker)
@@ -249,7 +251,8 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
         if full and steps == 1:
             # Every later forward/backward runs beside the optimizer state the first step created (and
             # is otherwise the same): add it rather than run a second step.
-            state = sum({id(st): st.nbytes() for st in _storages(_optimizer_state_tensors(wrapper.optimizer))}.values())
+            local = getattr(wrapper.optimizer, "optim", wrapper.optimizer)  # ZeRO-1 keeps its shard's optimizer
+            state = sum({id(st): st.nbytes() for st in _storages(_optimizer_state_tensors(local))}.values())
             fb = phases.fb
             fb.peak += state
             fb.breakdown["optimizer_state"] = fb.breakdown.get("optimizer_state", 0) + state

@@ -194,6 +194,7 @@ class _Composer:
         # Two reference points, the configured micro-batch and the next smaller one, give the line
         # along which the batch-dependent bytes and FLOPs run for every smaller micro-batch.
         self.half = max(micro_batches) if micro_batches else None
+        self.smallest = min(micro_batches) if micro_batches else None
 
     def _act(self, plan: Plan, mb: int) -> StepMeasurement:
         """The single-process forward/backward of ``plan``'s activation choices at micro-batch ``mb``."""
@@ -205,33 +206,41 @@ class _Composer:
         return self.runs.run(("act", _half(plan), plan.activation_checkpointing, plan.efficient_conv_bn_eval, mb),
                              act, full=False, single=True)
 
+    def _line(self, plan: Plan, mb: int) -> tuple[int, int]:
+        """(forward/backward peak, FLOPs) of ``plan``'s activation choices at micro-batch ``mb``: measured at
+        the configured micro-batch and half of it, on the line through the two for the others."""
+        act = self._act(plan, self.ref.micro_batch)
+        if mb == self.ref.micro_batch:
+            return act.forward_backward.peak, act.flops
+        small = self._act(plan, self.half)
+        t = (self.ref.micro_batch - mb) / (self.ref.micro_batch - self.half)  # 0 at the configured, 1 at half
+        return (int(act.forward_backward.peak + t * (small.forward_backward.peak - act.forward_backward.peak)),
+                int(act.flops + t * (small.flops - act.flops)))
+
     def __call__(self, plan: Plan) -> PlanResult:
         ref = self.ref
         accumulates = plan.accumulative_counts > 1 and ref.accumulative_counts == 1
-        shard_ref = replace(ref, sharding=plan.sharding, offload=plan.offload)
+        anchors = [(ref.micro_batch, ref.accumulative_counts)]
         if accumulates and plan.sharding in ("zero2", "fsdp"):
-            # FSDP without gradient sync keeps unsharded gradients and their reduce buffers across
-            # micro-steps: measure that on a step that accumulates, at the smaller micro-batch.
-            shard_ref = replace(shard_ref, micro_batch=self.half,
-                                accumulative_counts=ref.micro_batch * ref.accumulative_counts // self.half)
-        shard = self.runs.run(("shard", plan.sharding, plan.offload, shard_ref.micro_batch), shard_ref, full=True,
-                              steps=1)
-        base, act = self._act(ref, shard_ref.micro_batch), self._act(plan, ref.micro_batch)
-        peak, flops = act.forward_backward.peak, act.flops
-        if plan.micro_batch != ref.micro_batch:  # along the line through this choice's two micro-batches
-            small = self._act(plan, self.half)
-            t = (ref.micro_batch - plan.micro_batch) / (ref.micro_batch - self.half)  # 0 at ref, 1 at half
-            peak = int(peak + t * (small.forward_backward.peak - peak))
-            flops = int(flops + t * (small.flops - flops))
-        delta = peak - base.forward_backward.peak
-        fb_grads = 0
-        if accumulates and shard_ref.accumulative_counts == 1:
-            # DDP and ZeRO-1 accumulate into whole gradients that stay through every later micro-step,
-            # where the reference step held only those produced so far at its peak.
-            fb_grads = self.grad_bytes - shard.forward_backward.breakdown.get("gradients", 0)
-        micro = replace(act, flops=flops)
-        return _result(plan, shard, micro, self.device, self.world, shard_ref.accumulative_counts, fb_delta=delta,
-                       fb_grads=fb_grads)
+            # FSDP without gradient sync keeps unsharded gradients and their reduce buffers across micro-steps:
+            # measured on steps that accumulate, at half the micro-batch (where activations make the peak)
+            # and at the smallest (where the final reduce-scatter's buffers do); the larger composition wins.
+            anchors = [(mb, 2) for mb in sorted({self.half, self.smallest}, reverse=True)]
+        peak, flops = self._line(plan, plan.micro_batch)
+        micro = replace(self._act(plan, ref.micro_batch), flops=flops)
+        results = []
+        for mb, k in anchors:
+            shard = self.runs.run(("shard", plan.sharding, plan.offload, mb, k),
+                                  replace(ref, sharding=plan.sharding, offload=plan.offload, micro_batch=mb,
+                                          accumulative_counts=k), full=True, steps=1)
+            fb_grads = 0
+            if accumulates and k == 1:
+                # DDP and ZeRO-1 accumulate into whole gradients that stay through every later micro-step,
+                # where the reference step held only those produced so far at its peak.
+                fb_grads = self.grad_bytes - shard.forward_backward.breakdown.get("gradients", 0)
+            results.append(_result(plan, shard, micro, self.device, self.world, k,
+                                   fb_delta=peak - self._line(ref, mb)[0], fb_grads=fb_grads))
+        return replace(max(results, key=lambda r: r.peak_bytes), seconds=results[0].seconds)
 
 
 def _rank(results: list[PlanResult], budget: int) -> None:
