@@ -57,6 +57,7 @@ breakdown too. The post-accumulate-grad hook does not: the storage becomes a gra
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -67,7 +68,6 @@ from torch._guards import active_fake_mode
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "communication", "inputs")
 MB = 2**20  # "MB" in reports means MiB, as in MMEngine's and the seeds' memory logs
@@ -79,10 +79,28 @@ _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 
 
 def _storages(obj: Any) -> Iterable[torch.UntypedStorage]:
-    """The untyped storages behind every tensor in a (nested) structure; wrapper subclasses unwrapped."""
-    for leaf in tree_leaves(obj):
-        if isinstance(leaf, torch.Tensor) and leaf.layout is torch.strided:
-            yield from get_untyped_storages(leaf)
+    """The untyped storages behind every tensor in a (nested) structure; wrapper subclasses unwrapped.
+
+    Runs for every operator, so it walks lists, tuples and dicts itself (operator arguments hold no
+    other containers) instead of through pytree, and unwraps only tensor subclasses that flatten."""
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            if x.layout is torch.strided:
+                if _flattens(type(x)):
+                    yield from get_untyped_storages(x)
+                else:
+                    yield x.untyped_storage()
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+
+
+@functools.cache
+def _flattens(cls: type) -> bool:
+    return hasattr(cls, "__tensor_flatten__")
 
 
 def _optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
