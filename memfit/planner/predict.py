@@ -142,6 +142,7 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
     own = runs.run("configured", configured, full=True)
     results = [_result(configured, own, own, device, world_size, configured.accumulative_counts, "measured")]
     results += [compose(p) for p in plans]
+    results += _block_subsets(results, len(facts.blocks), budget)
     _rank(results, budget)
     recommended = _recommend(results, budget)
     while verify and recommended is not None and results[recommended].source != "measured":
@@ -241,6 +242,33 @@ class _Composer:
             results.append(_result(plan, shard, micro, self.device, self.world, k,
                                    fb_delta=peak - self._line(ref, mb)[0], fb_grads=fb_grads))
         return replace(max(results, key=lambda r: r.peak_bytes), seconds=results[0].seconds)
+
+
+def _block_subsets(results: list[PlanResult], blocks: int, budget: int) -> list[PlanResult]:
+    """The planner's own checkpointing choice: where a plan does not fit without checkpointing but does
+    with every block checkpointed, the fewest first blocks (``ac:firstN``) that fit. Peak and time are
+    interpolated by the share of blocks; the first blocks of a pyramid (Swin, ResNet) hold the largest
+    activations, so the interpolated peak errs high. A recommended subset is re-run whole like any row."""
+    limit = budget * (1 - AUTO_FIT_MARGIN)
+    by_rest = {replace(r.plan, activation_checkpointing="none", configured=False): r for r in results
+               if r.plan.activation_checkpointing == "blocks"}
+    out = []
+    for r in results:
+        full = by_rest.get(replace(r.plan, configured=False)) if r.plan.activation_checkpointing == "none" else None
+        if full is None or blocks < 2 or r.peak_bytes <= limit or full.peak_bytes > limit:
+            continue
+        per_block = (r.peak_bytes - full.peak_bytes) / blocks
+        n = min(blocks, max(1, int((r.peak_bytes - limit) / per_block) + 1)) if per_block > 0 else blocks
+        if n >= blocks:
+            continue
+        share = n / blocks
+        peak = int(r.peak_bytes - share * (r.peak_bytes - full.peak_bytes))
+        breakdown = {k: int(v + share * (full.breakdown.get(k, 0) - v)) for k, v in r.breakdown.items()}
+        out.append(PlanResult(replace(r.plan, activation_checkpointing=f"first{n}", configured=False), peak, breakdown,
+                              int(r.allocated + share * (full.allocated - r.allocated)),
+                              int(r.reserved + share * (full.reserved - r.reserved)),
+                              r.seconds + share * (full.seconds - r.seconds)))
+    return out
 
 
 def _rank(results: list[PlanResult], budget: int) -> None:
