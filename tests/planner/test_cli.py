@@ -1,0 +1,129 @@
+"""``memfit plan`` and ``memfit bench`` from the command line (``memfit.cli.main``) on the tiny config:
+the table, the recommendation, the ``--json`` document's exact keys, the chart, CUDA targets at 8
+ranks, one-line errors, and bench's measured-beside-predicted table with its CSV and PNG."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import re
+
+import pytest
+
+from memfit.cli import main
+
+TOP_KEYS = {"device", "world_size", "budget_bytes", "plans", "recommended"}
+PLAN_KEYS = {"name", "precision", "activation_checkpointing", "sharding", "offload", "efficient_conv_bn_eval",
+             "micro_batch", "accumulative_counts", "peak_bytes", "breakdown", "rel_step_time", "fits"}
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def run(*argv: str) -> tuple[int, str, str]:
+    """``memfit ARGV``: (exit status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def planned(tiny_config, tmp_path_factory):
+    """``memfit plan CFG --json --png`` on this CPU: (exit status, stdout, JSON document, directory)."""
+    d = tmp_path_factory.mktemp("plan_cli")
+    cfg = tiny_config(d)
+    code, out, err = run("plan", str(cfg), "--device", "cpu", "--json", str(d / "plan.json"), "--png",
+                         str(d / "chart.png"), "--top", "10")
+    assert code == 0, err
+    return out, json.loads((d / "plan.json").read_text()), d
+
+
+def test_plan_prints_the_table_and_the_recommendation(planned):
+    out, doc, d = planned
+    lines = out.splitlines()
+    assert lines[0] == "| plan | peak | relative time | fits |"
+    rows = [line for line in lines if line.startswith("| ") and line != lines[0]]
+    assert len(rows) == 10 and f"(10 fastest of {len(doc['plans'])} plans; --all shows every one)" in out
+    starred = [r for r in rows if re.match(r"\| [^|]* \* \|", r)]
+    assert len(starred) == 1  # the recommended plan, marked in the table
+    best = doc["plans"][doc["recommended"]]
+    assert starred[0].startswith(f"| {best['name']}")
+    summary = next(line for line in lines if line.startswith("recommended ("))
+    assert re.fullmatch(rf"recommended \(1 x cpu \(\w+\), budget [0-9.]+ GB per rank\): {re.escape(best['name'])}, "
+                        r"peak [0-9.]+ MB, [0-9.]+x the configured step time", summary), summary
+    assert f"wrote {d / 'chart.png'}" in out and f"wrote {d / 'plan.json'}" in out
+
+
+def test_plan_json_has_exactly_the_documented_keys(planned):
+    _, doc, _ = planned
+    assert set(doc) == TOP_KEYS
+    assert doc["world_size"] == 1 and doc["device"].startswith("cpu") and doc["budget_bytes"] > 0
+    assert len(doc["plans"]) > 10  # precisions x checkpointing x offload
+    for plan in doc["plans"]:
+        assert set(plan) == PLAN_KEYS, plan["name"]
+        assert plan["peak_bytes"] == sum(plan["breakdown"].values())  # CPU: live tensor bytes, nothing added
+    assert isinstance(doc["recommended"], int) and 0 <= doc["recommended"] < len(doc["plans"])
+    assert sum(p["rel_step_time"] == 1.0 for p in doc["plans"]) >= 1  # the configured plan is the unit
+    assert [p["rel_step_time"] for p in doc["plans"]] == sorted(p["rel_step_time"] for p in doc["plans"])
+
+
+def test_plan_writes_the_chart(planned):
+    _, _, d = planned
+    assert (d / "chart.png").read_bytes()[:8] == PNG
+
+
+def test_plan_as_is_predicts_the_configured_plan_only(tiny_config, tmp_path):
+    code, out, err = run("plan", str(tiny_config(tmp_path)), "--device", "cpu", "--as-is", "--json",
+                         str(tmp_path / "p.json"))
+    assert code == 0, err
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert [p["name"] for p in doc["plans"]] == ["fp32 mb1x1"] and doc["recommended"] == 0
+    assert "| fp32 mb1x1 (configured) * |" in out
+    assert (tmp_path / "work" / "plan.png").read_bytes()[:8] == PNG  # the chart's default place: WORK_DIR
+
+
+def test_plan_for_8_h100s_adds_the_cuda_figures(tiny_config, tmp_path):
+    code, out, err = run("plan", str(tiny_config(tmp_path)), "--gpu", "h100", "--gpus", "8", "--budget", "40GiB",
+                         "--json", str(tmp_path / "p.json"))
+    assert code == 0, err
+    assert out.splitlines()[0] == "| plan | peak | allocated | reserved | relative time | fits |"
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert doc["device"] == "H100" and doc["world_size"] == 8 and doc["budget_bytes"] == 40 << 30
+    assert {p["sharding"] for p in doc["plans"]} == {"none", "zero1", "zero2", "fsdp"}
+    for plan in doc["plans"]:
+        b = plan["breakdown"]
+        assert b["cuda_context"] > 0 and b["nccl"] > 0 and b["workspace"] > 0 and b["allocator_slack"] > 0
+        assert plan["peak_bytes"] == sum(b.values())  # the tensors plus what CUDA holds beside them
+    assert "recommended (8 x H100, budget 40.00 GB per rank): " in out
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--gpu", "h900", "--gpu 'h900': not in the planner's table"),
+    ("--budget", "lots", "--budget='lots': not a size"),
+])
+def test_bad_target_or_budget_is_one_line_exit_2(tiny_config, tmp_path, flag, value, message):
+    code, out, err = run("plan", str(tiny_config(tmp_path)), "--device", "cpu", flag, value)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("memfit: error: ") and message in lines[0], lines[0]
+    assert not out
+
+
+def test_bench_prints_measured_beside_predicted_and_writes_csv_png(tiny_config, tmp_path):
+    cfg = tiny_config(tmp_path)
+    code, out, err = run("bench", str(cfg), "--device", "cpu", "--plans", "fp32,fp32 ac:blocks", "--steps", "1",
+                         "--out", str(tmp_path / "bench"))
+    assert code == 0, err
+    lines = [line for line in out.splitlines() if line.startswith("|")]  # a runner's logger may print too
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert head[:6] == ["plan", "measured_peak_gb", "predicted_peak_gb", "peak_error_pct", "measured_rel_time",
+                        "predicted_rel_time"]
+    assert [line.split(" | ")[0] for line in lines[2:4]] == ["| fp32 mb1x1", "| fp32 ac:blocks mb1x1"]
+    with (tmp_path / "bench.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["plan"] for r in rows] == ["fp32 mb1x1", "fp32 ac:blocks mb1x1"]
+    assert float(rows[0]["measured_rel_time"]) == 1.0 and float(rows[0]["predicted_rel_time"]) == 1.0
+    for r in rows:  # the tiny model's peaks: predicted within the accuracy tests' tolerance
+        assert -3 <= float(r["peak_error_pct"]) <= 5, r
+    assert (tmp_path / "bench.png").read_bytes()[:8] == PNG
