@@ -245,7 +245,9 @@ class _LiveStorages(TorchDispatchMode):
         comm = func.namespace in _COMM_NAMESPACES
         # ``torch.tensor(...)`` made inside the step (Adam's first ``step`` counters) reaches the mode as
         # lift_fresh of a constant made outside the dispatcher: it is new, not an input alive at entry.
-        inputs = _storages((args, kwargs)) if func is not _LIFT_FRESH else ()
+        # A nested fake mode (DTensor sharding propagation) computes metadata only: its tensors are not memory.
+        own = active_fake_mode() is self._fake_on_entry
+        inputs = _storages((args, kwargs)) if own and func is not _LIFT_FRESH else ()
         if comm:
             self._before_collective(func, args)
             self._communication(inputs)
@@ -254,8 +256,7 @@ class _LiveStorages(TorchDispatchMode):
                 if id(st) not in self.live:
                     self.add(st, "inputs", retroactive=True)
         out = func(*args, **(kwargs or {}))
-        # A nested fake mode (DTensor sharding propagation) computes metadata only: not memory.
-        if active_fake_mode() is self._fake_on_entry:
+        if own:
             if comm:
                 self._communication(_storages(out))
             else:

@@ -9,6 +9,7 @@ the first plan measured in the same run. Under torchrun every rank measures and 
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -47,7 +48,8 @@ def measure_plan(cfg: dict, plan: Plan, facts: ModelFacts, steps: int = 3, batch
 
     run_cfg = plan.apply(cfg, facts)
     torch.manual_seed(0)
-    strategy = build_strategy(run_cfg.get("strategy") or ("ddp" if torch.distributed.is_initialized() else None))
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1  # under torchrun no strategy means DDP, as the runner
+    strategy = build_strategy(run_cfg.get("strategy") or ("ddp" if launched else None))
     model = MODELS.build(run_cfg["model"], key="model")
     techniques = technique_cfg(run_cfg)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -67,7 +69,8 @@ def measure_plan(cfg: dict, plan: Plan, facts: ModelFacts, steps: int = 3, batch
 
     step()  # warm-up: optimizer state
     _sync(device)
-    with MemoryTracker(model, wrapper.optimizer, device=device) as tracker:
+    local = getattr(wrapper.optimizer, "optim", wrapper.optimizer)  # ZeRO-1: its shard's optimizer holds the state
+    with MemoryTracker(model, local, device=device) as tracker:
         step()
     reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else tracker.peak_bytes
     times = []

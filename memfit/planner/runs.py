@@ -77,6 +77,15 @@ class Runs:
         self.execute()
         return self.cache[key]
 
+    def _in_workers(self, pending: dict, n: int, bar: Any) -> None:
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker, initargs=(self.world,)) as pool:
+            futures = {pool.submit(_run_one, cfg, full, steps): key for key, (cfg, full, steps, _) in pending.items()}
+            for future in as_completed(futures):
+                self.cache[futures[future]] = future.result()
+                if bar is not None:
+                    bar.update(1)
+
     def execute(self) -> None:
         """Run every pending step (in worker processes when there are several), with a progress bar."""
         pending, self.pending = self.pending, {}
@@ -88,24 +97,24 @@ class Runs:
 
             bar = tqdm(total=len(pending), desc="memfit plan", unit="step", leave=False, file=sys.stderr)
         n = min(workers(), len(pending))
+        _WORKER["meta"] = self.meta  # inherited by the forked workers
         try:
-            if n == 1 or "fork" not in multiprocessing.get_all_start_methods():
-                _WORKER["meta"] = self.meta
-                with fake_process_group(self.world):
-                    for key, (cfg, full, steps, name) in pending.items():
-                        if bar is not None:
-                            bar.set_postfix_str(name)
-                        self.cache[key] = _run_one(cfg, full, steps)
-                        if bar is not None:
-                            bar.update(1)
-                return
-            _WORKER["meta"] = self.meta  # inherited by the forked workers
-            ctx = multiprocessing.get_context("fork")
-            with ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker, initargs=(self.world,)) as pool:
-                futures = {pool.submit(_run_one, cfg, full, steps): key
-                           for key, (cfg, full, steps, _) in pending.items()}
-                for future in as_completed(futures):
-                    self.cache[futures[future]] = future.result()
+            if n > 1 and "fork" in multiprocessing.get_all_start_methods():
+                try:
+                    self._in_workers(pending, n, bar)
+                    return
+                except RuntimeError as exc:
+                    # Once a fake backward ran in this process, autograd's device threads exist and a forked
+                    # child cannot run backward: what is left runs here.
+                    if "fork" not in str(exc):
+                        raise
+            with fake_process_group(self.world):
+                for key, (cfg, full, steps, name) in pending.items():
+                    if key in self.cache:
+                        continue
+                    if bar is not None:
+                        bar.set_postfix_str(name)
+                    self.cache[key] = _run_one(cfg, full, steps)
                     if bar is not None:
                         bar.update(1)
         finally:

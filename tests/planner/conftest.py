@@ -36,11 +36,10 @@ def tiny_config():
 
 @pytest.fixture(scope="module", autouse=True)
 def _plan_in_process():
-    """Fake steps run in this process, not in forked workers: a worker forked after this process ran
-    a fake step (an as-is prediction, a verified recommendation) fails in backward with autograd's
-    "Unable to handle autograd's threading in combination with fork-based multiprocessing", so which
-    tests pass would depend on their order (memfit/planner/runs.py). Single-threaded either way.
-    Module-scoped, so the modules' own module-scoped fixtures plan under it too."""
+    """Fake steps run in this process, not in forked workers: the tests' models are tiny, and a worker
+    forked after this process ran a fake backward cannot run one (memfit/planner/runs.py then falls
+    back to this process; tests/planner/test_runs.py covers that). Module-scoped, so the modules' own
+    module-scoped fixtures plan under it too."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MEMFIT_PLAN_WORKERS", "1")
         yield

@@ -122,13 +122,7 @@ def two_ranks(tmp_path_factory):
 
 
 # Known failures, kept at the tolerance until memfit is fixed (strict: a fix makes them fail, to be unmarked).
-KNOWN = {
-    "swin-b ddp+zero1 fp32 adamw ac:selective": "memfit/planner/fake.py adds DDP's buckets twice when the second "
-    "step's forward/backward phase is the peak (``overall`` is that Phase object): predicted 20.91 MiB, real 19.06",
-    "vit-b fsdp fp32 sgd+momentum": "the real run's tracker (memfit/memory/measure.py) counts the fake tensors of "
-    "DTensor's sharding propagation (a cold cache: SGD's second step is the first to mul_ its momentum) as "
-    "inputs: predicted 151.80 MiB, real 179.45 (+27.65 MiB of inputs)",
-}
+KNOWN: dict[str, str] = {}  # case -> why it fails (strict xfail); fixed: DDP buckets added twice, DTensor metadata
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN[n]))
