@@ -135,12 +135,16 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
     compose = _Composer(runs, ref, device, world_size, micro)
     runs.collecting = True  # first pass: which fake steps the composition needs; then run them all at once
     runs.run("configured", configured, full=True)
+    runs.run("configured-fb", configured, full=False, single=True)
     for p in plans:
         compose(p)
     runs.collecting = False
     runs.execute()
     own = runs.run("configured", configured, full=True)
-    results = [_result(configured, own, own, device, world_size, configured.accumulative_counts, "measured")]
+    # Compute comes from a forward/backward run, as for every composed row (clipping and loss scaling,
+    # which a whole step also runs, are outside the model's operators for all rows alike).
+    own_fb = runs.run("configured-fb", configured, full=False, single=True)
+    results = [_result(configured, own, own_fb, device, world_size, configured.accumulative_counts, "measured")]
     results += [compose(p) for p in plans]
     results += _block_subsets(results, len(facts.blocks), budget)
     _rank(results, budget)
