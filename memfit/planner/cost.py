@@ -2,7 +2,8 @@
 
 One optimizer step of a plan with k micro-steps takes
 
-    compute  = k * (FLOPs per micro-step / (peak TFLOPs of its precision * efficiency) + ops * launch cost)
+    compute  = k * (FLOPs per micro-step / (peak TFLOPs of its precision * efficiency)
+                    + 2 * bytes written by FLOP-less operators / memory bandwidth + ops * launch cost)
     comm     = bytes each rank sends and receives / interconnect bandwidth  (FSDP: parameters gathered
                every micro-step, gradients reduce-scattered once; DDP: one all-reduce; ZeRO-1: an all-reduce
                and the parameters' broadcast)
@@ -41,7 +42,8 @@ def step_seconds(plan: Plan, micro: StepMeasurement, shard: StepMeasurement, sta
     micro-steps), ``state`` its per-rank model state."""
     rate = device.dtype_tflops(plan.precision) or device.dtype_tflops("fp32")
     k = plan.accumulative_counts
-    compute = k * (micro.flops / (rate * 1e12 * device.efficiency) + micro.ops * device.launch_us * 1e-6)
+    compute = k * (micro.flops / (rate * 1e12 * device.efficiency) + 2 * micro.written / (device.mem_bw * 1e9)
+                   + micro.ops * device.launch_us * 1e-6)
     ring = (world_size - 1) / world_size if world_size > 1 else 0.0
     gathers = shard.comm.get("gather", 0) / max(shard_counts, 1) * k
     traffic = ring * (gathers + shard.comm.get("reduce", 0) + shard.comm.get("broadcast", 0))

@@ -39,6 +39,11 @@ from memfit.planner.space import technique_cfg
 _GATHER = ("all_gather", "allgather", "_allgather_base")
 _REDUCE = ("reduce_scatter", "all_reduce", "allreduce", "_reduce_scatter_base")
 _BROADCAST = ("broadcast",)
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.t.default,
+          torch.ops.aten.transpose.int, torch.ops.aten.permute.default, torch.ops.aten.expand.default,
+          torch.ops.aten.slice.Tensor, torch.ops.aten.select.int, torch.ops.aten.unsqueeze.default,
+          torch.ops.aten.squeeze.dim, torch.ops.aten.as_strided.default, torch.ops.aten.detach.default,
+          torch.ops.aten.alias.default}
 
 
 @dataclass
@@ -52,7 +57,8 @@ class Phase:
 @dataclass
 class StepMeasurement:
     """What one fake run measured (per rank). ``flops``: one micro-step's forward and backward,
-    recomputation included. ``comm``: bytes per optimizer step by kind (gather | reduce | broadcast)."""
+    recomputation included; ``written``: bytes its FLOP-less operators write; ``comm``: bytes per
+    optimizer step by kind (gather | reduce | broadcast)."""
 
     peak: int
     breakdown: dict[str, int]
@@ -60,6 +66,7 @@ class StepMeasurement:
     optimizer: Phase
     flops: int = 0
     ops: int = 0
+    written: int = 0
     comm: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -98,6 +105,7 @@ class _OpCounter(TorchDispatchMode):
         self.registry = flop_registry
         self.flops = 0
         self.ops = 0
+        self.written = 0  # bytes written by operators without a FLOP formula: memory-bound elementwise work
         self.comm = {"gather": 0, "reduce": 0, "broadcast": 0}
         self.counting = True
         self.in_step = 0  # the optimizer's step is costed apart (cost.py): its ops are not the model's
@@ -127,6 +135,8 @@ class _OpCounter(TorchDispatchMode):
                 self.ops += 1
                 if packet in self.registry:
                     self.flops += self.registry[packet](*args, **kwargs, out_val=out)
+                elif isinstance(out, torch.Tensor) and func not in _VIEWS:
+                    self.written += out.numel() * out.element_size()
         else:
             name = func.__name__
             kind = next((k for k, names in (("gather", _GATHER), ("reduce", _REDUCE), ("broadcast", _BROADCAST))
@@ -281,4 +291,5 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
     return StepMeasurement(peak=overall.peak, breakdown=overall.breakdown,
                            forward_backward=phases.fb if full else overall, optimizer=phases.opt,
                            flops=flops_per_micro, ops=counter.ops // (counts if full else 1),
+                           written=counter.written // (counts if full else 1),
                            comm=dict(counter.comm), seconds=time.perf_counter() - start)

@@ -211,16 +211,17 @@ class _Composer:
         return self.runs.run(("act", _half(plan), plan.activation_checkpointing, plan.efficient_conv_bn_eval, mb),
                              act, full=False, single=True)
 
-    def _line(self, plan: Plan, mb: int) -> tuple[int, int]:
-        """(forward/backward peak, FLOPs) of ``plan``'s activation choices at micro-batch ``mb``: measured at
-        the configured micro-batch and half of it, on the line through the two for the others."""
+    def _line(self, plan: Plan, mb: int) -> tuple[int, int, int]:
+        """(forward/backward peak, FLOPs, bytes written) of ``plan``'s activation choices at micro-batch
+        ``mb``: measured at the configured micro-batch and half of it, on the line through the two."""
         act = self._act(plan, self.ref.micro_batch)
+        figures = (act.forward_backward.peak, act.flops, act.written)
         if mb == self.ref.micro_batch:
-            return act.forward_backward.peak, act.flops
+            return figures
         small = self._act(plan, self.half)
         t = (self.ref.micro_batch - mb) / (self.ref.micro_batch - self.half)  # 0 at the configured, 1 at half
-        return (int(act.forward_backward.peak + t * (small.forward_backward.peak - act.forward_backward.peak)),
-                int(act.flops + t * (small.flops - act.flops)))
+        at_half = (small.forward_backward.peak, small.flops, small.written)
+        return tuple(int(a + t * (b - a)) for a, b in zip(figures, at_half))  # type: ignore[return-value]
 
     def __call__(self, plan: Plan) -> PlanResult:
         ref = self.ref
@@ -231,8 +232,8 @@ class _Composer:
             # measured on steps that accumulate, at half the micro-batch (where activations make the peak)
             # and at the smallest (where the final reduce-scatter's buffers do); the larger composition wins.
             anchors = [(mb, 2) for mb in sorted({self.half, self.smallest}, reverse=True)]
-        peak, flops = self._line(plan, plan.micro_batch)
-        micro = replace(self._act(plan, ref.micro_batch), flops=flops)
+        peak, flops, written = self._line(plan, plan.micro_batch)
+        micro = replace(self._act(plan, ref.micro_batch), flops=flops, written=written)
         results = []
         for mb, k in anchors:
             shard = self.runs.run(("shard", plan.sharding, plan.offload, mb, k),
