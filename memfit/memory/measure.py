@@ -66,6 +66,7 @@ import torch
 from torch import nn
 from torch._guards import active_fake_mode
 from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -78,7 +79,7 @@ _OVERRIDABLE = frozenset({"activations", "inputs"})
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 
 
-def _storages(obj: Any) -> Iterable[torch.UntypedStorage]:
+def storages(obj: Any) -> Iterable[torch.UntypedStorage]:
     """The untyped storages behind every tensor in a (nested) structure; wrapper subclasses unwrapped.
 
     Runs for every operator, so it walks lists, tuples and dicts itself (operator arguments hold no
@@ -103,7 +104,7 @@ def _flattens(cls: type) -> bool:
     return hasattr(cls, "__tensor_flatten__")
 
 
-def _optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     if optimizer is None:
         return []
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
@@ -247,7 +248,7 @@ class _LiveStorages(TorchDispatchMode):
         # lift_fresh of a constant made outside the dispatcher: it is new, not an input alive at entry.
         # A nested fake mode (DTensor sharding propagation) computes metadata only: its tensors are not memory.
         own = active_fake_mode() is self._fake_on_entry
-        inputs = _storages((args, kwargs)) if own and func is not _LIFT_FRESH else ()
+        inputs = storages((args, kwargs)) if own and func is not _LIFT_FRESH else ()
         if comm:
             self._before_collective(func, args)
             self._communication(inputs)
@@ -258,9 +259,9 @@ class _LiveStorages(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if own:
             if comm:
-                self._communication(_storages(out))
+                self._communication(storages(out))
             else:
-                for st in _storages(out):
+                for st in storages(out):
                     self.add(st, self.new_category)
             self.update_peak()
         if comm and "reduce_scatter" in func.__name__:
@@ -276,7 +277,7 @@ class _LiveStorages(TorchDispatchMode):
             self.relabel_grads()
         if func.namespace == "fsdp" and func.__name__.startswith("chunk_cat"):
             # FSDP2 packs the unsharded gradients autograd computed into the reduce-scatter input.
-            for st in _storages(args[0]):
+            for st in storages(args[0]):
                 self.relabel(st, "gradients", only_from=_OVERRIDABLE, retroactive=True)
 
 
@@ -305,7 +306,8 @@ class MemoryTracker:
         device: torch.device | str | None = None,
     ) -> None:
         self.model = model
-        self.optimizer = optimizer
+        # ZeRO-1's ZeroRedundancyOptimizer steps a local optimizer over this rank's shard, which holds the state.
+        self.optimizer = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
         if device is None:
             first = next(iter(model.parameters()), None) if model is not None else None
             device = first.device if first is not None else "cpu"
@@ -359,13 +361,13 @@ class MemoryTracker:
             return self
         mode = self._mode = _LiveStorages()
         if self.model is not None:
-            for st in _storages(self._param_list):
+            for st in storages(self._param_list):
                 mode.add(st, "parameters")
-            for st in _storages(list(self.model.buffers())):
+            for st in storages(list(self.model.buffers())):
                 mode.add(st, "buffers")
-        for st in _storages(self._grads()):
+        for st in storages(self._grads()):
             mode.add(st, "gradients")
-        for st in _storages(_optimizer_state_tensors(self.optimizer) + self._copies(self.optimizer)):
+        for st in storages(optimizer_state_tensors(self.optimizer) + self._copies(self.optimizer)):
             mode.add(st, "optimizer_state")
         mode.relabel_grads = self._relabel_grads
         # Global hooks, as MemTracker's: every optimizer's step (also per-parameter optimizers that
@@ -394,7 +396,7 @@ class MemoryTracker:
 
     # -- hooks --------------------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
-        for st in _storages(p.grad):
+        for st in storages(p.grad):
             self._grad_bytes[id(st)] = st.nbytes()
             if self._mode is not None:
                 self._mode.relabel(st, "gradients")
@@ -403,36 +405,49 @@ class MemoryTracker:
     def _relabel_grads(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         if self._mode is not None:
             self._mode.grads_pending = False
-            for st in _storages(self._grads(optimizer)):
+            for st in storages(self._grads(optimizer)):
                 self._mode.relabel(st, "gradients", retroactive=True)
             self._mode.update_peak()
 
     def _on_step_begin(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._mode is not None:
             self._relabel_grads(optimizer)
-            for st in _storages(self._copies(optimizer)):
+            for st in storages(self._copies(optimizer)):
                 self._mode.relabel(st, "optimizer_state", retroactive=True)
             self._mode.new_category = "optimizer_state"
 
     def _on_step_end(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._mode is not None:
             self._mode.new_category = "activations"
-            for st in _storages(_optimizer_state_tensors(optimizer)):
+            for st in storages(optimizer_state_tensors(optimizer)):
                 self._mode.relabel(st, "optimizer_state")
 
     def _allocator_breakdown(self) -> dict[str, int]:
         def nbytes(tensors: Iterable[Any]) -> int:
-            return sum({id(st): st.nbytes() for st in _storages(list(tensors))}.values())
+            return sum({id(st): st.nbytes() for st in storages(list(tensors))}.values())
 
         out = dict.fromkeys(CATEGORIES, 0)
         out["parameters"] = nbytes(self._param_list)
         out["buffers"] = nbytes(self.model.buffers()) if self.model is not None else 0
         out["gradients"] = max(sum(self._grad_bytes.values()), nbytes(self._grads()))
-        out["optimizer_state"] = nbytes(_optimizer_state_tensors(self.optimizer) + self._copies(self.optimizer))
+        out["optimizer_state"] = nbytes(optimizer_state_tensors(self.optimizer) + self._copies(self.optimizer))
         out["activations"] = max(0, self.peak_bytes - sum(out.values()))
         return out
 
     # -- output -------------------------------------------------------------------------------------
+    def peak_so_far(self) -> tuple[int, dict[str, int]]:
+        """(peak bytes, breakdown at that peak) since entry or the last :meth:`reset_peak`, inside the
+        block (live-storage tracker only): how the planner splits a step into phases."""
+        mode = self._mode
+        assert mode is not None, "peak_so_far() is for the CPU/fake tracker, inside the with block"
+        return mode.peak, dict(mode.peak_breakdown)
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the bytes alive now (``torch.cuda.reset_peak_memory_stats``'s twin)."""
+        mode = self._mode
+        assert mode is not None, "reset_peak() is for the CPU/fake tracker, inside the with block"
+        mode.peak, mode.peak_breakdown = mode.total, dict(mode.current)
+
     def report(self) -> str:
         """The breakdown at the peak as a small table in MB (2**20 bytes)."""
         width = max(len(c) for c in CATEGORIES) + 2

@@ -69,8 +69,7 @@ def measure_plan(cfg: dict, plan: Plan, facts: ModelFacts, steps: int = 3, batch
 
     step()  # warm-up: optimizer state
     _sync(device)
-    local = getattr(wrapper.optimizer, "optim", wrapper.optimizer)  # ZeRO-1: its shard's optimizer holds the state
-    with MemoryTracker(model, local, device=device) as tracker:
+    with MemoryTracker(model, wrapper.optimizer, device=device) as tracker:
         step()
     reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else tracker.peak_bytes
     times = []

@@ -32,7 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.errors import ConfigError
-from memfit.memory.measure import MemoryTracker, _optimizer_state_tensors, _storages
+from memfit.memory.measure import MemoryTracker, optimizer_state_tensors, storages
 from memfit.planner.space import technique_cfg
 
 # Collectives by kind: an all-gather's traffic is its output, a reduce-scatter's its input.
@@ -159,12 +159,10 @@ class _Phases:
         self._handles = [register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post)]
 
     def _snapshot(self) -> Phase:
-        mode = self.tracker._mode
-        return Phase(mode.peak, dict(mode.peak_breakdown))
+        return Phase(*self.tracker.peak_so_far())
 
     def reset(self) -> None:
-        mode = self.tracker._mode
-        mode.peak, mode.peak_breakdown = mode.total, dict(mode.current)
+        self.tracker.reset_peak()
 
     def _pre(self, *args: Any) -> None:
         self.depth += 1
@@ -278,8 +276,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
         if full and steps == 1:
             # Every later forward/backward runs beside the optimizer state the first step created (and
             # is otherwise the same): add it rather than run a second step.
-            local = getattr(wrapper.optimizer, "optim", wrapper.optimizer)  # ZeRO-1 keeps its shard's optimizer
-            state = sum({id(st): st.nbytes() for st in _storages(_optimizer_state_tensors(local))}.values())
+            state = sum({id(st): st.nbytes() for st in storages(optimizer_state_tensors(tracker.optimizer))}.values())
             fb = phases.fb
             fb.peak += state
             fb.breakdown["optimizer_state"] = fb.breakdown.get("optimizer_state", 0) + state
