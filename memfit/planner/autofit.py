@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import ConfigError, did_you_mean
-from memfit.planner.devices import Device, GiB, current_cuda, gpu, parse_bytes, this_cpu
+from memfit.planner.devices import Device, current_cuda, gpu, parse_bytes, this_cpu
 
 AUTO_FIT_KEYS = ("budget", "gpus", "nodes", "gpu")
 
@@ -85,4 +85,4 @@ def apply_auto_fit(cfg: dict, value: Any = True) -> tuple[dict, str]:
     return fitted, line
 
 
-__all__ = ["GiB", "apply_auto_fit", "auto_fit_options", "default_budget", "target_device"]
+__all__ = ["apply_auto_fit", "auto_fit_options", "default_budget", "target_device"]

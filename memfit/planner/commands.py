@@ -9,7 +9,7 @@ from typing import Any
 
 from memfit.errors import ConfigError
 from memfit.planner.devices import Device, custom_gpu, gpu, parse_bytes, this_cpu
-from memfit.planner.space import PRECISIONS, SHARDINGS, Plan
+from memfit.planner.space import OFFLOADS, PRECISIONS, SHARDINGS, Plan
 
 
 def _device(args: Any) -> Device:
@@ -67,7 +67,7 @@ def parse_plan(name: str, base: Plan) -> Plan:
             fields["activation_checkpointing"] = token[3:]
         elif token in SHARDINGS:
             fields["sharding"] = token
-        elif token.startswith("offload:"):
+        elif token.startswith("offload:") and token[8:] in OFFLOADS:
             fields["offload"] = token[8:]
         elif token == "conv-bn":
             fields["efficient_conv_bn_eval"] = True

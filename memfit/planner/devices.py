@@ -25,13 +25,12 @@ MiB = 2**20
 # older GPUs; 32 MiB covers both. Context: 500-600 MiB for CUDA 12 with lazy module loading on
 # A100/H100 (nvidia-smi minus memory_reserved). NCCL: its channel buffers (4 MiB NCCL_BUFFSIZE x 2
 # x channels x peers), about 250-400 MiB per rank for 8 GPUs. Allocator slack: reserved / allocated
-# runs 1.02-1.15 on vision models with the default allocator; 8% is used (expandable_segments=True
-# brings it near 1.0).
+# runs 1.02-1.15 on vision models with the default allocator (every allocation rounded up to 512 bytes,
+# carved from 2 MiB or 20 MiB segments); 8% is used (expandable_segments=True brings it near 1.0).
 CUBLAS_WORKSPACE = 32 * MiB
 CUDA_CONTEXT = 560 * MiB
 NCCL_BUFFERS = 320 * MiB
 ALLOCATOR_SLACK = 0.08
-BLOCK = 512  # every CUDA allocation is rounded up to a multiple of 512 bytes
 
 
 @dataclass(frozen=True)

@@ -32,10 +32,9 @@ from memfit.planner.cost import ModelState, step_seconds
 from memfit.planner.devices import Device
 from memfit.planner.fake import StepMeasurement, build_meta_model
 from memfit.planner.runs import Runs
-from memfit.planner.space import ModelFacts, Plan, configured_plan, enumerate_plans
+from memfit.planner.space import PRECISIONS, ModelFacts, Plan, configured_plan, enumerate_plans
 
 AUTO_FIT_MARGIN = 0.05  # the recommended plan leaves 5% of the budget free
-_STATE = ("parameters", "buffers", "gradients", "optimizer_state")
 
 
 @dataclass
@@ -127,7 +126,7 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
     meta = build_meta_model(cfg["model"])
     facts = ModelFacts.of(meta)
     configured = configured_plan(cfg, facts, device.cuda)
-    precisions = tuple(p for p in ("fp32", "bf16", "fp16") if device.dtype_tflops(p))
+    precisions = tuple(p for p in PRECISIONS if device.dtype_tflops(p))
     plans = [] if as_is else [p for p in enumerate_plans(configured, facts, world_size, precisions) if p != configured]
     ref = Plan("fp32", "none", "none", "none", False, configured.micro_batch, configured.accumulative_counts)
     micro = sorted({p.micro_batch for p in plans} - {configured.micro_batch})

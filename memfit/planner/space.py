@@ -11,7 +11,7 @@ blocks, their stages, BatchNorm that is frozen) decides which checkpointing and 
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from torch import nn
@@ -252,7 +252,7 @@ def enumerate_plans(configured: Plan, facts: ModelFacts, world_size: int, precis
         acs = ["none"]
     conv_bn = (False, True) if facts.frozen_bn else (False,)
     shardings = [("none", "none"), ("fsdp", "params")] if world_size == 1 else \
-        [(s, "none") for s in SHARDINGS] + [("fsdp", "params")]
+        [(s, "none") for s in SHARDINGS] + [("fsdp", o) for o in OFFLOADS[1:]]
     plans = [Plan(p, a, s, o, c, b, per_rank // b)
              for p in precisions for a in acs for s, o in shardings for c in conv_bn for b in micro]
     return plans
@@ -263,8 +263,3 @@ def _halvings(b: int) -> list[int]:
     while out[-1] > 1:
         out.append(out[-1] // 2)
     return out
-
-
-def with_micro_batch(plan: Plan, micro_batch: int) -> Plan:
-    per_rank = plan.micro_batch * plan.accumulative_counts
-    return replace(plan, micro_batch=micro_batch, accumulative_counts=per_rank // micro_batch, configured=False)
