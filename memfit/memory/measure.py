@@ -57,7 +57,6 @@ breakdown too. The post-accumulate-grad hook does not: the storage becomes a gra
 """
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -65,10 +64,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch._guards import active_fake_mode
-from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from memfit.memory.storages import fsdp_params, optimizer_state_tensors, stepped_params, storages
 
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "communication", "inputs")
 MB = 2**20  # "MB" in reports means MiB, as in MMEngine's and the seeds' memory logs
@@ -77,54 +77,6 @@ _COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional", "fsdp"})
 # The labels a collective (or a resize) may override: the others say what a storage is more precisely.
 _OVERRIDABLE = frozenset({"activations", "inputs"})
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
-
-
-def storages(obj: Any) -> Iterable[torch.UntypedStorage]:
-    """The untyped storages behind every tensor in a (nested) structure; wrapper subclasses unwrapped.
-
-    Runs for every operator, so it walks lists, tuples and dicts itself (operator arguments hold no
-    other containers) instead of through pytree, and unwraps only tensor subclasses that flatten."""
-    stack = [obj]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            if x.layout is torch.strided:
-                if _flattens(type(x)):
-                    yield from get_untyped_storages(x)
-                else:
-                    yield x.untyped_storage()
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-
-
-@functools.cache
-def _flattens(cls: type) -> bool:
-    return hasattr(cls, "__tensor_flatten__")
-
-
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    if optimizer is None:
-        return []
-    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-
-
-def _stepped_params(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]] if optimizer is not None else []
-
-
-def _fsdp_params(model: nn.Module | None) -> list[Any]:
-    """FSDP2's per-parameter records (``FSDPParam``) in ``model``: they hold the unsharded gradients, which
-    are no registered parameter's ``.grad`` once the module is resharded. Private torch API, read
-    defensively (torch 2.14 has ``_fsdp_param_groups``, earlier versions ``_fsdp_param_group``)."""
-    out: list[Any] = []
-    for module in model.modules() if model is not None and _FSDPModule is not None else ():
-        if isinstance(module, _FSDPModule):
-            state = module._get_fsdp_state()
-            groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
-            out += [fsdp_param for group in groups if group is not None for fsdp_param in group.fsdp_params]
-    return out
 
 
 class _LiveStorages(TorchDispatchMode):
@@ -282,10 +234,9 @@ class _LiveStorages(TorchDispatchMode):
 
 
 try:
-    from torch.distributed.fsdp import FSDPModule as _FSDPModule
     from torch.distributed.tensor import DTensor as _DTensor
 except ImportError:  # torch built without distributed
-    _DTensor = _FSDPModule = None
+    _DTensor = None
 
 
 class MemoryTracker:
@@ -335,7 +286,7 @@ class MemoryTracker:
         """Every gradient the step holds: the model's parameters', the stepped parameters' (O2's fp32
         masters are assigned theirs directly) and FSDP2's unsharded ones (kept while sync is off)."""
         grads = [p.grad for p in self._param_list]
-        grads += [p.grad for p in _stepped_params(optimizer or self.optimizer) if id(p) not in self._param_ids]
+        grads += [p.grad for p in stepped_params(optimizer or self.optimizer) if id(p) not in self._param_ids]
         for fsdp_param in self._fsdp:
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             grads += [getattr(unsharded, "grad", None), getattr(fsdp_param, "unsharded_accumulated_grad", None)]
@@ -345,13 +296,13 @@ class MemoryTracker:
         """What the optimizer steps in place of the model's parameters (fp32 master weights)."""
         if self.model is None:
             return []  # without the model, parameters cannot be told from copies
-        return [p for p in _stepped_params(optimizer) if id(p) not in self._param_ids]
+        return [p for p in stepped_params(optimizer) if id(p) not in self._param_ids]
 
     def __enter__(self) -> MemoryTracker:
         self._grad_bytes = {}
         self._param_list = self._params()
         self._param_ids = {id(p) for p in self._param_list}
-        self._fsdp = _fsdp_params(self.model)
+        self._fsdp = fsdp_params(self.model)
         for p in self._param_list:
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))

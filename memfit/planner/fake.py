@@ -32,7 +32,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.errors import ConfigError
-from memfit.memory.measure import MemoryTracker, optimizer_state_tensors, storages
+from memfit.memory.measure import MemoryTracker
+from memfit.memory.storages import optimizer_state_tensors, storages
 from memfit.planner.space import technique_cfg
 
 # Collectives by kind: an all-gather's traffic is its output, a reduce-scatter's its input.

@@ -1,0 +1,66 @@
+"""What holds memory in a training step: the storages behind (nested) tensors, an optimizer's state,
+the parameters it steps, and FSDP2's per-parameter records. Shared by the tracker
+(:mod:`memfit.memory.measure`) and the planner."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed._tools.common_utils import get_untyped_storages
+
+try:
+    from torch.distributed.fsdp import FSDPModule as _FSDPModule
+except ImportError:  # torch built without distributed
+    _FSDPModule = None
+
+
+def storages(obj: Any) -> Iterable[torch.UntypedStorage]:
+    """The untyped storages behind every tensor in a (nested) structure; wrapper subclasses unwrapped.
+
+    Runs for every operator, so it walks lists, tuples and dicts itself (operator arguments hold no
+    other containers) instead of through pytree, and unwraps only tensor subclasses that flatten."""
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            if x.layout is torch.strided:
+                if _flattens(type(x)):
+                    yield from get_untyped_storages(x)
+                else:
+                    yield x.untyped_storage()
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+
+
+@functools.cache
+def _flattens(cls: type) -> bool:
+    return hasattr(cls, "__tensor_flatten__")
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    if optimizer is None:
+        return []
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def stepped_params(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]] if optimizer is not None else []
+
+
+def fsdp_params(model: nn.Module | None) -> list[Any]:
+    """FSDP2's per-parameter records (``FSDPParam``) in ``model``: they hold the unsharded gradients, which
+    are no registered parameter's ``.grad`` once the module is resharded. Private torch API, read
+    defensively (torch 2.14 has ``_fsdp_param_groups``, earlier versions ``_fsdp_param_group``)."""
+    out: list[Any] = []
+    for module in model.modules() if model is not None and _FSDPModule is not None else ():
+        if isinstance(module, _FSDPModule):
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+            out += [fsdp_param for group in groups if group is not None for fsdp_param in group.fsdp_params]
+    return out
