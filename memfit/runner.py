@@ -314,6 +314,7 @@ class Runner:
         fp16 = bool(getattr(loop_cfg, "fp16", False))
         evaluator = Evaluator(evaluator_cfg, dataset_size=len(loader.dataset) if hasattr(loader, "dataset") else None,
                               key=f"{mode}_evaluator")
+        evaluator.dataset_meta = getattr(getattr(loader, "dataset", None), "metainfo", None)
         return EvalLoop(self, loader, evaluator, mode=mode, fp16=fp16)
 
     # -- entry points --------------------------------------------------------------------------

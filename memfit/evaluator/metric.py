@@ -21,6 +21,9 @@ class BaseMetric:
         self.collect_device = collect_device
         self.prefix = prefix or self.default_prefix
         self.results: list[Any] = []
+        # The evaluated dataset's ``metainfo`` (e.g. ``{'classes': (...)}``), set by the Evaluator
+        # before evaluation as MMEngine's loops do; None when the dataset has none.
+        self.dataset_meta: dict | None = None
 
     def process(self, data_batch: Any, data_samples: Any) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -62,6 +65,16 @@ class Evaluator:
         # batches (global positions >= dataset_size) are dropped before the metrics see them.
         self.dataset_size = dataset_size
         self._seen = 0  # samples this rank has processed in the current evaluation
+
+    @property
+    def dataset_meta(self) -> dict | None:
+        return self.metrics[0].dataset_meta if self.metrics else None
+
+    @dataset_meta.setter
+    def dataset_meta(self, meta: dict | None) -> None:
+        """Give every metric the dataset's ``metainfo`` (class names for COCO's category ids)."""
+        for m in self.metrics:
+            m.dataset_meta = meta
 
     def process(self, data_samples: Any, data_batch: Any = None) -> None:
         world = get_world_size()
