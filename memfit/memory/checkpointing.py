@@ -197,7 +197,11 @@ def own_switch(module: nn.Module) -> str | None:
 
 
 def resolve_modules(model: nn.Module, names: Iterable[str], key: str) -> list[tuple[str, nn.Module]]:
-    """Look qualified names up in ``model``; an unknown name is a ConfigError with near matches."""
+    """Look qualified names up in ``model``; an unknown name is a ConfigError with near matches.
+
+    A ``ModuleList``/``ModuleDict`` has no forward of its own, so its name stands for each of its
+    children (``'encoder.layers'`` is every encoder layer, as MMDetection's ``num_cp`` does).
+    """
     table = dict(model.named_modules())
     out = []
     for name in names:
@@ -205,7 +209,11 @@ def resolve_modules(model: nn.Module, names: Iterable[str], key: str) -> list[tu
             raise ConfigError(f"{key}: module names must be strings, got {name!r}")
         if name not in table:
             raise ConfigError(f"{key}: model has no module {name!r}: {did_you_mean(name, table)}")
-        out.append((name, table[name]))
+        module = table[name]
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            out.extend((f"{name}.{child}" if name else child, m) for child, m in module.named_children())
+        else:
+            out.append((name, module))
     return out
 
 

@@ -1,0 +1,2 @@
+"""Detection models: timm backbones, torchvision detectors and a DINO-class detector under the BaseModel contract,
+with MMDetection's data-sample fields as plain dicts (docs/detection.md)."""
