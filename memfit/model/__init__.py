@@ -2,6 +2,7 @@
 
 from memfit.model.base import BaseDataPreprocessor, BaseModel, move_to
 from memfit.model.classifier import ImageClassifier, TimmClassifier
+from memfit.model.detection import backbones as _backbones  # noqa: F401  (registers detection models)
 from memfit.model.vissl import VisslModel
 from memfit.registry import MODELS
 

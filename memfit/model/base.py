@@ -63,6 +63,17 @@ class BaseDataPreprocessor(_FollowsDevice):
         return self.cast_data(data)
 
 
+def build_data_preprocessor(cfg: nn.Module | dict | None) -> nn.Module:
+    """A model's ``data_preprocessor`` from a config dict, a module, or None (BaseDataPreprocessor)."""
+    if isinstance(cfg, dict):
+        from memfit.registry import MODELS
+
+        return MODELS.build(cfg, key="data_preprocessor")
+    if cfg is not None and not isinstance(cfg, nn.Module):
+        raise TypeError(f"data_preprocessor should be a dict or an nn.Module instance, got {type(cfg).__name__}")
+    return cfg or BaseDataPreprocessor()
+
+
 class BaseModel(_FollowsDevice):
     """Base class for memfit models (MMEngine's contract).
 
@@ -74,16 +85,8 @@ class BaseModel(_FollowsDevice):
 
     def __init__(self, data_preprocessor: nn.Module | dict | None = None, init_cfg: Any = None) -> None:
         super().__init__()
-        if isinstance(data_preprocessor, dict):
-            from memfit.registry import MODELS
-
-            data_preprocessor = MODELS.build(data_preprocessor, key="data_preprocessor")
-        elif data_preprocessor is not None and not isinstance(data_preprocessor, nn.Module):
-            raise TypeError(f"data_preprocessor should be a dict or an nn.Module instance, got "
-                            f"{type(data_preprocessor).__name__}")
-        self.data_preprocessor = data_preprocessor or BaseDataPreprocessor()
+        self.data_preprocessor = build_data_preprocessor(data_preprocessor)
         self.init_cfg = init_cfg
-
 
     def init_weights(self) -> None:
         """Apply ``init_cfg`` (this model's and its submodules'; see :mod:`memfit.model.init`). The

@@ -65,9 +65,10 @@ def TimmBackbone(  # noqa: N802 - a config type name, as MMDetection's backbones
 
     ``out_indices`` count stages from the first of stride 4 (MMDetection's: Swin/ConvNeXt/ResNet
     ``(0, 1, 2, 3)`` are all four). ``frozen_stages=k`` stops gradients to the stem and the first
-    ``k`` stages (MMDetection's: 0 the stem only, -1 nothing); ``norm_eval`` keeps BatchNorm in eval mode while training; ``frozen_bn``
-    turns BatchNorm into timm's FrozenBatchNorm2d (ResNet detectors' standard). ``pretrained``: False,
-    True (timm's weights; needs network) or a local checkpoint file (loaded with ``weights_only``).
+    ``k`` stages (MMDetection's: 0 the stem only, -1 nothing); ``norm_eval`` keeps BatchNorm in eval
+    mode while training; ``frozen_bn`` turns BatchNorm into torchvision's FrozenBatchNorm2d (ResNet
+    detectors' standard). ``pretrained``: False, True (timm's weights; needs network) or a local
+    checkpoint file (loaded with ``weights_only``).
     Swin models get ``dynamic_img_size=True``, so any input divisible by 32 runs. The result has
     ``out_channels`` and ``strides`` lists for the neck.
     """
@@ -93,9 +94,7 @@ def TimmBackbone(  # noqa: N802 - a config type name, as MMDetection's backbones
         raise ConfigError(f"backbone.out_indices={out_indices!r}: {model_name} has {len(stages)} stages, "
                           f"use indices in 0..{len(stages) - 1}")
     if frozen_bn:
-        from timm.layers import freeze_batch_norm_2d
-
-        model = freeze_batch_norm_2d(model)
+        _freeze_batch_norm(model)
     model.__class__ = _feature_class(type(model))
     model._take = tuple(stages[i] for i in out_indices)
     model.out_indices = out_indices
@@ -117,6 +116,27 @@ def _stage_list(model: nn.Module, stage_names: list[str]) -> None:
         if type(container) is nn.Sequential:
             owner, _, attr = parent.rpartition(".")
             setattr(model.get_submodule(owner) if owner else model, attr, nn.ModuleList(container))
+
+
+def _freeze_batch_norm(module: nn.Module) -> None:
+    """Every BatchNorm2d becomes torchvision's FrozenBatchNorm2d with its statistics and affine values.
+
+    torchvision's class rather than timm's: memfit's efficient conv-bn folds torchvision's."""
+    from torchvision.ops import FrozenBatchNorm2d
+
+    for name, child in module.named_children():
+        if isinstance(child, nn.BatchNorm2d):
+            frozen = FrozenBatchNorm2d(child.num_features, eps=child.eps)
+            with torch.no_grad():
+                if child.affine:
+                    frozen.weight.copy_(child.weight)
+                    frozen.bias.copy_(child.bias)
+                if child.running_mean is not None:
+                    frozen.running_mean.copy_(child.running_mean)
+                    frozen.running_var.copy_(child.running_var)
+            setattr(module, name, frozen.to(child.weight.device if child.affine else None))
+        else:
+            _freeze_batch_norm(child)
 
 
 def _freeze(model: nn.Module, stage_names: list[str], frozen_stages: int) -> None:
