@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from memfit.errors import ConfigError, MemfitError, component_error, did_you_mean
@@ -172,9 +172,26 @@ def _collate_fns() -> dict[str, Any]:
     return {"default_collate": default_collate, "pseudo_collate": pseudo_collate}
 
 
-def pseudo_collate(batch: list) -> list:
-    """MMEngine's pseudo_collate: keep the batch as a list of samples (variable-size boxes)."""
-    return batch
+def pseudo_collate(batch: Sequence) -> Any:
+    """MMEngine's pseudo_collate: transpose the batch without stacking anything (images of different
+    sizes, variable numbers of boxes).
+
+    Dict samples give a dict of lists (``[{'inputs': a, 'data_samples': x}, ...]`` ->
+    ``{'inputs': [a, ...], 'data_samples': [x, ...]}``); tuples and lists give a list of lists
+    (named tuples stay named tuples); anything else is returned as the list of samples. One level
+    only: memfit's data samples are plain dicts, which MMEngine's recursion would transpose too
+    (its DetDataSample objects are not mappings, so there it stops at the same place).
+    """
+    item = batch[0]
+    if isinstance(item, Mapping):
+        return type(item)({key: [sample[key] for sample in batch] for key in item})
+    if isinstance(item, tuple) and hasattr(item, "_fields"):  # namedtuple
+        return type(item)(*(list(field) for field in zip(*batch)))
+    if isinstance(item, (tuple, list)):
+        if any(len(sample) != len(item) for sample in batch):
+            raise ValueError("pseudo_collate: every sample in a batch must have the same length")
+        return [list(column) for column in zip(*batch)]
+    return list(batch)
 
 
 MODELS = Registry("model", _torchvision_models)
@@ -187,6 +204,9 @@ STRATEGIES = Registry("strategy")
 HOOKS = Registry("hook")
 DATASETS = Registry("dataset")
 TRANSFORMS = Registry("transform", _torchvision_transforms)
+# MMDetection's transform names (Resize, RandomCrop, ... on a sample dict with boxes), which clash
+# with torchvision's: detection pipelines look here first, then in TRANSFORMS (memfit.data.det_transforms).
+DET_TRANSFORMS = Registry("detection transform")
 DATA_SAMPLERS = Registry("sampler")
 COLLATE_FNS = Registry("collate_fn", _collate_fns)
 METRICS = Registry("metric")

@@ -51,7 +51,9 @@ def test_sampler_and_collate_options():
     lists = build_dataloader(
         dict(batch_size=2, dataset=SHAPES, collate_fn=dict(type="pseudo_collate")), seed=0
     )
-    assert isinstance(next(iter(lists)), list)
+    batch = next(iter(lists))  # MMEngine's pseudo_collate: dict samples -> a dict of lists, nothing stacked
+    assert set(batch) == {"img", "label", "boxes", "labels"} and len(batch["img"]) == 2
+    assert isinstance(batch["img"], list) and batch["label"] == [int(b) for b in batch["label"]]
     mine = build_dataloader(dict(batch_size=2, dataset=SHAPES, collate_fn=len), seed=0)
     assert next(iter(mine)) == 2
     ds = ShapesDataset(num_samples=10, image_size=16)
