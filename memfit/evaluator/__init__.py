@@ -1,6 +1,7 @@
 """Evaluation: the BaseMetric contract, the Evaluator and built-in metrics."""
 
 from memfit.evaluator.accuracy import Accuracy
+from memfit.evaluator.coco_metric import CocoMetric
 from memfit.evaluator.metric import BaseMetric, Evaluator
 
-__all__ = ["Accuracy", "BaseMetric", "Evaluator"]
+__all__ = ["Accuracy", "BaseMetric", "CocoMetric", "Evaluator"]
