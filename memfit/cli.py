@@ -1,4 +1,4 @@
-"""The ``memfit`` command: train | plan | bench | eval | export | convert.
+"""The ``memfit`` command: train | plan | bench | eval | export | convert | data.
 
 Every error ends in one line on stderr, ``memfit: error: ...``, never a traceback (``--debug``
 prints it as well). Exit status 2: the input was refused before training started (a ConfigError or
@@ -110,6 +110,23 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data(args: argparse.Namespace) -> int:
+    """``memfit data shapes-coco``: write the synthetic shapes as a COCO detection dataset."""
+    import time
+
+    from memfit.data.shapes_coco import VAL_FRACTION, write_shapes_coco
+
+    splits = {"train": args.num, "val": max(1, args.num // VAL_FRACTION)} if args.split == "both" else {
+        args.split: args.num}
+    for split, num in splits.items():
+        start = time.perf_counter()
+        ann_file = write_shapes_coco(args.out, num=num, image_size=args.image_size, num_classes=args.num_classes,
+                                     max_shapes=args.max_shapes, seed=args.seed, split=split)
+        print(f"wrote {num} {split} images to {Path(args.out) / split} and {ann_file} "
+              f"({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memfit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -186,6 +203,20 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("config", help="config file (.py, .yaml, or a VISSL .yaml with the root key config:)")
     c.add_argument("--out", help="write it to this .py or .yaml file instead of printing it")
     c.set_defaults(func=_convert)
+
+    d = sub.add_parser("data", help="make datasets")
+    data_sub = d.add_subparsers(dest="data_command", required=True)
+    sc = data_sub.add_parser("shapes-coco", help="write the synthetic shapes (several per image) as a COCO "
+                             "detection dataset: OUT/<split>/NNNNNN.png and OUT/annotations/instances_<split>.json")
+    sc.add_argument("--out", required=True, help="output directory")
+    sc.add_argument("--num", type=int, default=2000, help="images in the train split (val gets num // 5), or in the "
+                    "one --split asked for (default 2000)")
+    sc.add_argument("--image-size", type=int, default=128, help="image side in pixels (default 128)")
+    sc.add_argument("--num-classes", type=int, default=4, help="shape classes, 1 to 10 (default 4)")
+    sc.add_argument("--max-shapes", type=int, default=4, help="at most this many shapes per image (default 4)")
+    sc.add_argument("--seed", type=int, default=0, help="the images are a function of the seed and split (default 0)")
+    sc.add_argument("--split", choices=["train", "val", "both"], default="both", help="which split (default both)")
+    sc.set_defaults(func=_data)
     return parser
 
 
