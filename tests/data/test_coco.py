@@ -137,3 +137,42 @@ def test_loader_batches_are_seeded_per_sample(shapes):
     assert all(torch.equal(x, y) for x, y in zip(a["inputs"], b["inputs"]))
     assert [s["gt_instances"]["bboxes"].tolist() for s in a["data_samples"]] == [
         s["gt_instances"]["bboxes"].tolist() for s in b["data_samples"]]
+
+
+def test_dino_pipelines_run_as_written(shapes):
+    """MMDetection's DINO train/test pipelines (configs/dino/dino-4scale_r50_8xb2-12e_coco.py), verbatim."""
+    scales = [(480, 1333), (512, 1333), (544, 1333), (576, 1333), (608, 1333), (640, 1333), (672, 1333),
+              (704, 1333), (736, 1333), (768, 1333), (800, 1333)]
+    train = [
+        dict(type="LoadImageFromFile", backend_args=None),
+        dict(type="LoadAnnotations", with_bbox=True),
+        dict(type="RandomFlip", prob=0.5),
+        dict(type="RandomChoice", transforms=[
+            [dict(type="RandomChoiceResize", scales=scales, keep_ratio=True)],
+            [dict(type="RandomChoiceResize", scales=[(400, 4200), (500, 4200), (600, 4200)], keep_ratio=True),
+             dict(type="RandomCrop", crop_type="absolute_range", crop_size=(384, 600), allow_negative_crop=True),
+             dict(type="RandomChoiceResize", scales=scales, keep_ratio=True)],
+        ]),
+        dict(type="PackDetInputs"),
+    ]
+    test = [
+        dict(type="LoadImageFromFile", backend_args=None),
+        dict(type="Resize", scale=(1333, 800), keep_ratio=True),
+        dict(type="LoadAnnotations", with_bbox=True),
+        dict(type="PackDetInputs", meta_keys=("img_id", "img_path", "ori_shape", "img_shape", "scale_factor")),
+    ]
+    common = dict(data_root=str(shapes), ann_file="annotations/instances_train.json", data_prefix=dict(img="train/"))
+    ds = CocoDataset(**common, filter_cfg=dict(filter_empty_gt=False), pipeline=train)
+    for i in range(4):
+        torch.manual_seed(i)
+        item = ds[i]
+        s = item["data_samples"]
+        h, w = s["img_shape"]
+        assert min(h, w) in [short for short, _ in scales] and item["inputs"].shape[-2:] == (h, w)
+        boxes = s["gt_instances"]["bboxes"]
+        assert ((boxes[:, 2] <= w) & (boxes[:, 3] <= h) & (boxes[:, :2] >= 0).all(1)).all()
+    out = CocoDataset(**common, test_mode=True, pipeline=test)[0]
+    s = out["data_samples"]
+    assert out["inputs"].shape == (3, 800, 800) and s["scale_factor"] == (25.0, 25.0) and "flip" not in s
+    ref = ShapesDataset(num_samples=12, image_size=32, num_classes=3, max_shapes=3, seed=4).draw(0)[1]
+    assert torch.equal(s["gt_instances"]["bboxes"], torch.from_numpy(ref))  # loaded after Resize: original pixels

@@ -116,3 +116,20 @@ def test_live_loader_with_custom_sampler_is_left_alone():
     assert build_dataloader(custom, seed=0) is custom
     with_batch_sampler = DataLoader(ds, batch_sampler=[[0, 1], [2, 3]])
     assert build_dataloader(with_batch_sampler, seed=0) is with_batch_sampler
+
+
+def test_pseudo_collate_is_mmengines_one_level_transpose():
+    from collections import namedtuple
+
+    from memfit.registry import pseudo_collate
+
+    a, b = torch.zeros(3, 4, 5), torch.ones(3, 6, 2)
+    batch = pseudo_collate([{"inputs": a, "data_samples": {"img_id": 1}}, {"inputs": b, "data_samples": {"img_id": 2}}])
+    assert batch["inputs"][0] is a and batch["inputs"][1] is b
+    assert batch["data_samples"] == [{"img_id": 1}, {"img_id": 2}]  # the sample dicts are kept whole
+    assert pseudo_collate([(a, 1), (b, 2)]) == [[a, b], [1, 2]]
+    pair = namedtuple("pair", "x y")
+    assert pseudo_collate([pair(1, 2), pair(3, 4)]) == pair([1, 3], [2, 4])
+    assert pseudo_collate([a, b])[1] is b
+    with pytest.raises(ValueError, match="same length"):
+        pseudo_collate([(1, 2), (3,)])
