@@ -1,0 +1,177 @@
+"""DINOHead: per-layer class and box branches, DINO's losses (matching, encoder proposals, denoising) and
+the top-k decoding of predictions. Parameter names are MMDetection's (``cls_branches.<i>``, ``reg_branches.<i>``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from torch import Tensor, nn
+from torchvision.ops import box_convert
+
+from memfit.errors import ConfigError
+from memfit.model.detection.dino.losses import avg_factor, focal_loss, giou_loss, l1_loss, parse_loss
+from memfit.model.detection.dino.matcher import HungarianAssigner
+from memfit.model.detection.dino.transformer import inverse_sigmoid
+from memfit.registry import MODELS
+
+
+@MODELS.register()
+class DINOHead(nn.Module):
+    """``num_pred_layer`` copies of the branches (one per decoder layer, plus one for the encoder proposals
+    as in MMDetection's two-stage DINO): ``cls`` a Linear to ``num_classes`` sigmoid logits, ``reg`` an MLP
+    (``num_reg_fcs`` hidden Linear+ReLU) to a box offset in inverse-sigmoid space.
+
+    Losses (MMDetection's keys): ``loss_cls/bbox/iou`` of the last layer, ``d<i>.loss_*`` of the others,
+    ``enc_loss_*`` of the encoder's top-k proposals, ``dn_loss_*`` / ``d<i>.dn_loss_*`` of the denoising
+    queries; the class loss is averaged over the positives (over ranks with ``sync_cls_avg_factor``).
+    """
+
+    def __init__(self, num_classes: int, embed_dims: int = 256, num_reg_fcs: int = 2,
+                 sync_cls_avg_factor: bool = False, loss_cls: dict | None = None, loss_bbox: dict | None = None,
+                 loss_iou: dict | None = None, num_pred_layer: int = 7, train_cfg: dict | None = None,
+                 test_cfg: dict | None = None) -> None:
+        super().__init__()
+        if not isinstance(num_classes, int) or num_classes < 1:
+            raise ConfigError(f"num_classes={num_classes!r}: need a positive int")
+        self.num_classes, self.embed_dims, self.sync_cls_avg_factor = num_classes, embed_dims, sync_cls_avg_factor
+        self.loss_cls = parse_loss(loss_cls or dict(type="FocalLoss"), "loss_cls", "loss_cls")
+        self.loss_bbox = parse_loss(loss_bbox or dict(type="L1Loss", loss_weight=5.0), "loss_bbox", "loss_bbox")
+        self.loss_iou = parse_loss(loss_iou or dict(type="GIoULoss", loss_weight=2.0), "loss_iou", "loss_iou")
+        train_cfg = dict(train_cfg or {})
+        assigner = dict(train_cfg.pop("assigner", None) or dict(type="HungarianAssigner"))
+        if train_cfg:
+            raise ConfigError(f"model.train_cfg: unknown key {next(iter(train_cfg))!r} (valid: 'assigner')")
+        if assigner.pop("type", "HungarianAssigner") != "HungarianAssigner" or set(assigner) - {"match_costs"}:
+            raise ConfigError("model.train_cfg.assigner: only dict(type='HungarianAssigner', match_costs=[...]) "
+                              "is supported")
+        self.assigner = HungarianAssigner(assigner.get("match_costs"))
+        test_cfg = dict(test_cfg or {})
+        self.max_per_img = test_cfg.pop("max_per_img", 100)
+        if test_cfg:
+            raise ConfigError(f"model.test_cfg: unknown key {next(iter(test_cfg))!r} (valid: 'max_per_img')")
+
+        cls = nn.Linear(embed_dims, num_classes)
+        reg = []
+        for _ in range(num_reg_fcs):
+            reg += [nn.Linear(embed_dims, embed_dims), nn.ReLU()]
+        reg = nn.Sequential(*reg, nn.Linear(embed_dims, 4))
+        self.cls_branches = nn.ModuleList(copy.deepcopy(cls) for _ in range(num_pred_layer))
+        self.reg_branches = nn.ModuleList(copy.deepcopy(reg) for _ in range(num_pred_layer))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """MMDetection's: class biases at prior probability 0.01, zero last box layer."""
+        for m in self.cls_branches:
+            nn.init.constant_(m.bias, -math.log((1 - 0.01) / 0.01))
+        for m in self.reg_branches:
+            nn.init.zeros_(m[-1].weight)
+            nn.init.zeros_(m[-1].bias)
+
+    def forward(self, hidden_states: Tensor, references: Tensor) -> tuple[Tensor, Tensor]:
+        """``hidden_states`` ``[L, B, Q, C]`` and ``references`` ``[L + 1, B, Q, 4]`` (sigmoid cxcywh) ->
+        class logits ``[L, B, Q, classes]`` and boxes ``[L, B, Q, 4]`` (normalised cxcywh). Layer ``i``
+        refines the box it started from, ``references[i]``."""
+        classes, coords = [], []
+        for i in range(hidden_states.shape[0]):
+            classes.append(self.cls_branches[i](hidden_states[i]))
+            coords.append((self.reg_branches[i](hidden_states[i]) + inverse_sigmoid(references[i])).sigmoid())
+        return torch.stack(classes), torch.stack(coords)
+
+    # ---- losses -------------------------------------------------------------------------------------
+    def loss(self, all_cls: Tensor, all_boxes: Tensor, enc_cls: Tensor, enc_boxes: Tensor,
+             gts: list[dict], img_shapes: list[tuple[int, int]], dn_meta: dict | None) -> dict[str, Tensor]:
+        """All DINO losses. ``gts[i]``: ``dict(bboxes=[n, 4] xyxy pixels, labels=[n])``; the first
+        ``dn_meta['num_denoising_queries']`` queries of ``all_cls``/``all_boxes`` are the denoising ones."""
+        num_dn = dn_meta["num_denoising_queries"] if dn_meta else 0
+        losses: dict[str, Tensor] = {}
+        layers = all_cls.shape[0]
+        for i in range(layers):
+            name = "" if i == layers - 1 else f"d{i}."
+            matched = self._matched(all_cls[i, :, num_dn:], all_boxes[i, :, num_dn:], gts, img_shapes)
+            self._add(losses, name, "", matched)
+        self._add(losses, "enc_", "", self._matched(enc_cls, enc_boxes, gts, img_shapes))
+        if num_dn:
+            for i in range(layers):
+                name = "" if i == layers - 1 else f"d{i}."
+                self._add(losses, name, "dn_", self._denoising(all_cls[i, :, :num_dn], all_boxes[i, :, :num_dn],
+                                                               gts, img_shapes, dn_meta))
+        return losses
+
+    @staticmethod
+    def _add(losses: dict, name: str, kind: str, values: tuple[Tensor, Tensor, Tensor]) -> None:
+        for term, value in zip(("cls", "bbox", "iou"), values):
+            losses[f"{name}{kind}loss_{term}"] = value
+
+    def _matched(self, cls: Tensor, boxes: Tensor, gts: list[dict], img_shapes: list[tuple[int, int]]
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+        """Losses of ``cls`` ``[B, Q, classes]`` / ``boxes`` ``[B, Q, 4]`` after Hungarian matching."""
+        b, q, _ = cls.shape
+        query_idx, gt_idx = [], []
+        for i, (gt, shape) in enumerate(zip(gts, img_shapes)):
+            rows, cols = self.assigner.assign(cls[i], boxes[i], gt["labels"], gt["bboxes"], shape)
+            query_idx.append(rows + i * q)
+            gt_idx.append(cols)
+        return self._targets_loss(cls, boxes, gts, img_shapes, query_idx, gt_idx)
+
+    def _denoising(self, cls: Tensor, boxes: Tensor, gts: list[dict], img_shapes: list[tuple[int, int]],
+                   dn_meta: dict) -> tuple[Tensor, Tensor, Tensor]:
+        """Losses of the denoising queries: group ``g``'s positive copy of target ``j`` sits at
+        ``g * 2 * max + j`` and must reconstruct it; every other denoising query is background."""
+        b, num_dn, _ = cls.shape
+        groups = dn_meta["num_denoising_groups"]
+        per_group = num_dn // groups
+        query_idx, gt_idx = [], []
+        for i, gt in enumerate(gts):
+            n = len(gt["labels"])
+            t = torch.arange(n, device=cls.device)
+            offsets = torch.arange(groups, device=cls.device)[:, None] * per_group
+            query_idx.append((offsets + t).flatten() + i * num_dn)
+            gt_idx.append(t.repeat(groups))
+        return self._targets_loss(cls, boxes, gts, img_shapes, query_idx, gt_idx)
+
+    def _targets_loss(self, cls: Tensor, boxes: Tensor, gts: list[dict], img_shapes: list[tuple[int, int]],
+                      query_idx: list[Tensor], gt_idx: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """Focal loss over all queries (unmatched ones: background), L1 (normalised cxcywh) and GIoU
+        (pixels) over the matched pairs given as flat query indices and per-image target indices."""
+        device = cls.device
+        num_pos = sum(len(g) for g in gt_idx)  # python int: known from the shapes, also on fake tensors
+        queries = torch.cat(query_idx)
+        labels = torch.full((cls.shape[0] * cls.shape[1],), self.num_classes, dtype=torch.long, device=device)
+        labels = labels.index_put((queries,), torch.cat([g["labels"].to(device)[j] for g, j in zip(gts, gt_idx)]))
+        factors = torch.cat([torch.tensor([[w, h, w, h]], dtype=torch.float32, device=device).expand(len(j), 4)
+                             for (h, w), j in zip(img_shapes, gt_idx)])
+        target_xyxy = torch.cat([g["bboxes"].to(device).float()[j] for g, j in zip(gts, gt_idx)])
+        pred = boxes.reshape(-1, 4)[queries]
+        loss_cls = focal_loss(cls.reshape(-1, self.num_classes), labels,
+                              avg_factor(num_pos, device, self.sync_cls_avg_factor), self.loss_cls)
+        box_avg = avg_factor(num_pos, device, True)
+        loss_bbox = l1_loss(pred, box_convert(target_xyxy / factors, "xyxy", "cxcywh"), box_avg, self.loss_bbox)
+        loss_iou = giou_loss(box_convert(pred.float(), "cxcywh", "xyxy") * factors, target_xyxy, box_avg, self.loss_iou)
+        return loss_cls, loss_bbox, loss_iou
+
+    # ---- prediction ---------------------------------------------------------------------------------
+    def predict(self, cls: Tensor, boxes: Tensor, samples: list[dict]) -> list[dict]:
+        """Top ``max_per_img`` (query, class) pairs per image from the last layer's ``cls`` ``[B, Q, classes]``
+        and ``boxes`` ``[B, Q, 4]``; boxes in original-image pixels (divided by ``scale_factor``), clipped."""
+        results = []
+        for i, sample in enumerate(samples):
+            scores = cls[i].float().sigmoid().flatten()
+            top, index = scores.topk(min(self.max_per_img, scores.numel()))
+            labels, query = index % self.num_classes, index // self.num_classes
+            h, w = sample.get("img_shape", sample.get("batch_input_shape"))
+            xyxy = box_convert(boxes[i, query].float(), "cxcywh", "xyxy")
+            xyxy = xyxy * xyxy.new_tensor([w, h, w, h])
+            xyxy[:, 0::2] = xyxy[:, 0::2].clamp(0, w)
+            xyxy[:, 1::2] = xyxy[:, 1::2].clamp(0, h)
+            sx, sy = sample.get("scale_factor", (1.0, 1.0))
+            xyxy = xyxy / xyxy.new_tensor([sx, sy, sx, sy])
+            h0, w0 = sample.get("ori_shape", (h / sy, w / sx))
+            xyxy[:, 0::2] = xyxy[:, 0::2].clamp(0, w0)
+            xyxy[:, 1::2] = xyxy[:, 1::2].clamp(0, h0)
+            results.append(dict(img_id=sample.get("img_id"), ori_shape=(h0, w0),
+                                pred_instances=dict(bboxes=xyxy, scores=top, labels=labels.long())))
+        return results
