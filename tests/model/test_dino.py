@@ -23,7 +23,8 @@ from memfit.optim import OptimWrapper
 from memfit.registry import MODELS
 
 E = 32  # embed_dims
-MEAN, STD = torch.tensor([123.675, 116.28, 103.53]), torch.tensor([58.395, 57.12, 57.375])
+PREPROCESSOR = dict(type="DetDataPreprocessor", mean=[123.675, 116.28, 103.53], std=[58.395, 57.12, 57.375],
+                    bgr_to_rgb=False, pad_size_divisor=32)
 
 
 def tiny_cfg(dropout: float = 0.0, drop_path: float = 0.0, **over) -> dict:
@@ -31,6 +32,7 @@ def tiny_cfg(dropout: float = 0.0, drop_path: float = 0.0, **over) -> dict:
     ffn = dict(embed_dims=E, feedforward_channels=64, ffn_drop=dropout)
     cfg = dict(
         type="DINO", num_queries=30, with_box_refine=True, as_two_stage=True, num_feature_levels=4,
+        data_preprocessor=PREPROCESSOR,
         backbone=dict(type="TimmBackbone", model_name="swin_tiny_patch4_window7_224", out_indices=(1, 2, 3),
                       embed_dim=32, depths=(1, 1, 1, 1), num_heads=(1, 2, 4, 8), drop_path_rate=drop_path),
         neck=dict(type="ChannelMapper", in_channels=[64, 128, 256], kernel_size=1, out_channels=E, act_cfg=None,
@@ -59,23 +61,22 @@ def build(seed: int = 0, **kw) -> DINO:
 
 
 def shapes_batch(n: int = 2, pad_second: bool = False) -> tuple[torch.Tensor, list[dict]]:
-    """``n`` ShapesDataset images (normalised as DetDataPreprocessor does) with MMDetection's fields;
-    ``pad_second``: the second image is 48 px wide, padded to 64 (its boxes kept inside)."""
+    """``n`` ShapesDataset images with MMDetection's fields through DetDataPreprocessor (normalised, padded);
+    ``pad_second``: the second image is cropped to 40 px wide, so the batch pads it to 64 (boxes clipped)."""
     ds = ShapesDataset(num_samples=n, image_size=64, max_shapes=3, transform=[])
-    inputs, samples = [], []
+    images, samples = [], []
     for i in range(n):
         item = ds[i]
-        img = (item["img"].float() - MEAN[:, None, None]) / STD[:, None, None]
-        shape, boxes = (64, 64), item["boxes"]
+        img, boxes = item["img"], item["boxes"]
         if pad_second and i == 1:
-            shape, img = (64, 48), img.clone()
-            img[:, :, 48:] = 0
-            boxes = boxes.clone()
-            boxes[:, 0::2] = boxes[:, 0::2].clamp(max=47)
-        inputs.append(img)
+            img, boxes = img[:, :, :40], boxes.clone()
+            boxes[:, 0::2] = boxes[:, 0::2].clamp(max=39)
+        shape = tuple(img.shape[-2:])
+        images.append(img)
         samples.append(dict(img_id=i, img_shape=shape, ori_shape=(shape[0] * 2, shape[1] * 2), scale_factor=(0.5, 0.5),
-                            batch_input_shape=(64, 64), gt_instances=dict(bboxes=boxes, labels=item["labels"])))
-    return torch.stack(inputs), samples
+                            gt_instances=dict(bboxes=boxes, labels=item["labels"])))
+    batch = MODELS.build(PREPROCESSOR)(dict(inputs=images, data_samples=samples))
+    return batch["inputs"], batch["data_samples"]
 
 
 def loss_keys(layers: int = 2) -> set[str]:

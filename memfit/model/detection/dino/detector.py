@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from memfit.errors import ConfigError
 from memfit.model.base import BaseModel
+from memfit.model.detection.data_preprocessor import padding_masks
 from memfit.model.detection.dino.config import build_part, pop_type
 from memfit.model.detection.dino.denoising import CdnQueryGenerator
 from memfit.model.detection.dino.head import DINOHead
@@ -212,13 +213,4 @@ class DINO(BaseModel):
         proposals = proposals.masked_fill(invalid, float("inf"))
         output = memory.masked_fill(invalid, 0.0)
         return self.memory_trans_norm(self.memory_trans_fc(output)), proposals
-
-
-def padding_masks(samples: list[dict], shape: tuple[int, int], device: torch.device) -> Tensor:
-    """True on padding ``[B, H, W]``: each image fills the top-left ``img_shape`` of the padded batch."""
-    masks = torch.ones(len(samples), *shape, dtype=torch.bool, device=device)
-    for i, s in enumerate(samples):
-        h, w = s["img_shape"]
-        masks[i, :h, :w] = False
-    return masks
 
