@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint clean
+.PHONY: venv demo demo-detection test lint clean
 
 venv: $(STAMP)
 
@@ -15,9 +15,17 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps colossalai==0.5.0
 	touch $(STAMP)
 
-demo: venv
+demo: venv demo-detection
 	$(BIN)/memfit train configs/vit_shapes.py --work-dir work_dirs/demo
 	$(BIN)/memfit plan configs/vit_shapes.py --gpu 4090 --top 10 --work-dir work_dirs/demo
+
+SHAPES_COCO := data/shapes_coco/annotations/instances_train.json
+
+$(SHAPES_COCO): $(STAMP)
+	$(BIN)/memfit data shapes-coco --out data/shapes_coco --image-size 96 --num 2400
+
+demo-detection: venv $(SHAPES_COCO)
+	$(BIN)/memfit train configs/detection/fcos_r18_shapes-coco.py --work-dir work_dirs/demo_detection
 
 test: venv
 	$(BIN)/ruff check memfit tests benchmarks
@@ -27,4 +35,4 @@ lint: venv
 	$(BIN)/ruff check memfit tests benchmarks
 
 clean:
-	rm -rf $(VENV) work_dirs
+	rm -rf $(VENV) work_dirs data/shapes_coco

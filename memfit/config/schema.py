@@ -65,7 +65,13 @@ TECHNIQUE_KEYS: tuple[str, ...] = (
 
 # MMEngine config variables that other keys are built from (``visualizer = dict(vis_backends=vis_backends)``);
 # ``Runner.from_cfg`` reads ``vis_backends`` as the visualizer's when no ``visualizer`` is given.
-HELPER_KEYS: tuple[str, ...] = ("vis_backends",)
+# MMDetection's configs name these at top level too (``data_root``, the pipelines, ``max_epochs``, ...): they are
+# accepted as they are, so those configs load unchanged; any other helper variable starts with '_'.
+HELPER_KEYS: tuple[str, ...] = (
+    "vis_backends", "data_root", "dataset_type", "backend_args", "train_pipeline", "test_pipeline", "val_pipeline",
+    "max_epochs", "max_iters", "num_levels", "num_classes", "classes", "metainfo", "pretrained", "image_size",
+    "batch_augments", "base_lr", "checkpoint",
+)
 
 CONFIG_KEYS: tuple[str, ...] = RUNNER_KEYS + TECHNIQUE_KEYS + HELPER_KEYS
 
