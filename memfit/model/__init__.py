@@ -8,4 +8,7 @@ from memfit.registry import MODELS
 
 MODELS.register(BaseDataPreprocessor)
 
-__all__ = ["BaseModel", "BaseDataPreprocessor", "DetDataPreprocessor", "ImageClassifier", "TimmClassifier", "VisslModel", "move_to"]
+__all__ = [
+    "BaseModel", "BaseDataPreprocessor", "DetDataPreprocessor", "ImageClassifier", "TimmClassifier", "VisslModel",
+    "move_to",
+]
