@@ -105,9 +105,10 @@ def test_predict_boxes_in_original_pixels_from_the_tensor_outputs():
     model = build().eval()
     x, samples = shapes_batch(pad_second=True)
     with torch.no_grad():
-        cls, boxes = model(x, samples, mode="tensor")
+        all_cls, all_boxes = model(x, samples, mode="tensor")
         preds = model(x, samples, mode="predict")
-    assert cls.shape == (2, 30, 4) and boxes.shape == (2, 30, 4)
+    assert all_cls.shape == (2, 2, 30, 4) and all_boxes.shape == (2, 2, 30, 4)  # [layers, B, queries, ...]
+    cls, boxes = all_cls[-1], all_boxes[-1]
     for i, (pred, sample) in enumerate(zip(preds, samples)):
         inst = pred["pred_instances"]
         assert pred["img_id"] == i and pred["ori_shape"] == sample["ori_shape"]

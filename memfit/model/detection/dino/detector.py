@@ -31,8 +31,9 @@ class DINO(BaseModel):
     fields as dicts (``img_shape``, ``scale_factor``, ``ori_shape``, ``gt_instances``).
 
     ``'loss'`` returns MMDetection's loss dict, ``'predict'`` one dict per image with ``pred_instances``
-    (boxes in original-image pixels), ``'tensor'`` the last layer's class logits and boxes of the
-    matching queries (``[B, Q, classes]``, ``[B, Q, 4]`` normalised cxcywh).
+    (boxes in original-image pixels), ``'tensor'`` the head's raw outputs for every decoder layer (as
+    MMDetection's ``_forward``): class logits ``[layers, B, Q, classes]`` and boxes ``[layers, B, Q, 4]``
+    (normalised cxcywh), without denoising queries.
     """
 
     def __init__(self, backbone: nn.Module | dict, neck: nn.Module | dict, encoder: dict | None = None,
@@ -116,11 +117,9 @@ class DINO(BaseModel):
         if mode == "loss":
             return self.bbox_head.loss(out["cls"], out["boxes"], out["enc_cls"], out["enc_boxes"], gts,
                                        [tuple(s["img_shape"]) for s in samples], out["dn_meta"])
-        num_dn = out["dn_meta"]["num_denoising_queries"] if out["dn_meta"] else 0
-        cls, boxes = out["cls"][-1, :, num_dn:], out["boxes"][-1, :, num_dn:]
         if mode == "tensor":
-            return cls, boxes
-        return self.bbox_head.predict(cls, boxes, samples)
+            return out["cls"], out["boxes"]
+        return self.bbox_head.predict(out["cls"][-1], out["boxes"][-1], samples)
 
     def forward_transformer(self, feats: list[Tensor], samples: list[dict], input_shape: tuple[int, int],
                             gts: list[dict] | None = None) -> dict[str, Any]:
