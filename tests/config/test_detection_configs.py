@@ -64,3 +64,14 @@ def test_detection_demo_config_trains_and_reports_coco_map(tmp_path):
     assert set(metrics) >= {f"coco/bbox_mAP{s}" for s in ("", "_50", "_75", "_s", "_m", "_l")}
     assert 0.0 <= metrics["coco/bbox_mAP"] <= 1.0
     assert (tmp_path / "work" / "best_coco_bbox_mAP_epoch_1.pth").exists()
+
+
+def test_seed_backbone_lr_mult_reaches_the_backbone_parameters():
+    from memfit.optim.builder import build_optim_wrapper
+
+    cfg = Config.fromfile(CONFIGS / "dino-5scale_swin-l_8xb2-12e_coco.py")
+    model = MODELS.build(dict(type="FCOS", num_classes=2, out_channels=32, backbone=dict(model_name="resnet18")))
+    wrapper = build_optim_wrapper(model, cfg.optim_wrapper)
+    names = {id(p): n for n, p in model.named_parameters()}
+    lrs = {names[id(p)].split(".")[0]: g["lr"] for g in wrapper.optimizer.param_groups for p in g["params"]}
+    assert lrs == {"backbone": pytest.approx(1e-5), "head": pytest.approx(1e-4)}

@@ -70,6 +70,20 @@ def test_pretrained_from_a_local_file(tmp_path):
         assert torch.equal(a, b), n
 
 
+def test_init_cfg_pretrained_loads_when_the_model_initialises(tmp_path):
+    from memfit.model.init import init_model_weights
+
+    torch.manual_seed(2)
+    source = MODELS.build(dict(type="TimmBackbone", model_name="resnet18"))
+    torch.save(source.state_dict(), tmp_path / "r18.pth")
+    detector = MODELS.build(dict(type="FCOS", num_classes=2, out_channels=32, backbone=dict(
+        model_name="resnet18", init_cfg=dict(type="Pretrained", checkpoint=str(tmp_path / "r18.pth")))))
+    assert not torch.equal(detector.backbone.body.conv1.weight, source.conv1.weight)
+    assert "backbone.body" in init_model_weights(detector)
+    for (n, a), b in zip(source.state_dict().items(), detector.backbone.body.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
 def test_backbone_layers_checkpoints_each_swin_stage_exactly():
     torch.manual_seed(0)
     plain = MODELS.build({**TINY_SWIN, "out_indices": (1, 2, 3)})

@@ -59,6 +59,7 @@ def TimmBackbone(  # noqa: N802 - a config type name, as MMDetection's backbones
     frozen_stages: int = -1,
     norm_eval: bool = False,
     frozen_bn: bool = False,
+    init_cfg: dict | list | None = None,
     **timm_kwargs: Any,
 ) -> nn.Module:
     """A timm model by name whose ``forward(x)`` returns a list of NCHW maps, one per ``out_indices``.
@@ -68,7 +69,8 @@ def TimmBackbone(  # noqa: N802 - a config type name, as MMDetection's backbones
     ``k`` stages (MMDetection's: 0 the stem only, -1 nothing); ``norm_eval`` keeps BatchNorm in eval
     mode while training; ``frozen_bn`` turns BatchNorm into torchvision's FrozenBatchNorm2d (ResNet
     detectors' standard). ``pretrained``: False, True (timm's weights; needs network) or a local
-    checkpoint file (loaded with ``weights_only``).
+    checkpoint file (loaded with ``weights_only``). ``init_cfg=dict(type='Pretrained', checkpoint=...)``
+    (MMDetection's way) loads a local file when the runner initialises the model's weights.
     Swin models get ``dynamic_img_size=True``, so any input divisible by 32 runs. The result has
     ``out_channels`` and ``strides`` lists for the neck.
     """
@@ -101,6 +103,7 @@ def TimmBackbone(  # noqa: N802 - a config type name, as MMDetection's backbones
     model.out_channels = [info[i]["num_chs"] for i in model._take]
     model.strides = [info[i]["reduction"] for i in model._take]
     model.norm_eval = bool(norm_eval)
+    model.init_cfg = init_cfg
     _freeze(model, [info[i]["module"] for i in stages], frozen_stages)
     _stage_list(model, [info[i]["module"] for i in stages])
     return model
