@@ -97,8 +97,12 @@ def TimmBackbone(  # noqa: N802 - a config type name, as MMDetection's backbones
                           f"use indices in 0..{len(stages) - 1}")
     if frozen_bn:
         _freeze_batch_norm(model)
+    take = tuple(stages[i] for i in out_indices)
+    # What the features never reach (later stages, the final norm, the head) would hold parameters without
+    # gradients, which DDP rejects and FSDP shards for nothing: timm drops them.
+    model.prune_intermediate_layers(list(take), prune_norm=True, prune_head=True)
     model.__class__ = _feature_class(type(model))
-    model._take = tuple(stages[i] for i in out_indices)
+    model._take = take
     model.out_indices = out_indices
     model.out_channels = [info[i]["num_chs"] for i in model._take]
     model.strides = [info[i]["reduction"] for i in model._take]
