@@ -6,8 +6,8 @@ combination of AMP, checkpointing of the backbone and of the encoder, and FSDP. 
 configs/detection/dino-5scale_swin-l_8xb2-12e_coco.py with the row's switches, 8 fake ranks, a batch of two
 1333x800 images (the largest the seed's pipeline makes), for an A100-80 (rows 1-4, where the seed ran
 out of 24 GB) and a 3090 (rows 5-8). It prints the predicted allocated/reserved peak per rank beside the
-seed's "Peak Mem" (MMEngine logs torch.cuda.max_memory_allocated) and the predicted step time relative to
-row 1 beside the seed's iteration times.
+seed's "Peak Mem" (MMEngine logs torch.cuda.max_memory_allocated in MiB, so GB here are GiB) and the
+predicted step time relative to row 1 beside the seed's iteration times.
 
     python benchmarks/detection_plan_rows.py [--rows 1,2,...] [--out benchmarks/results/detection_plan_rows]
 """
@@ -26,7 +26,7 @@ from memfit.planner.devices import gpu
 from memfit.planner.predict import predict
 
 CONFIG = Path(__file__).parents[1] / "configs" / "detection" / "dino-5scale_swin-l_8xb2-12e_coco.py"
-GB = 1e9  # the seed's tables are in GB as MMEngine logs them (MB / 1024 ... ~ GiB); both are printed
+# MMEngine logs max_memory_allocated / 2**20 as "memory" (MB), so the seed's "GB" are GiB.
 GIB = 2**30
 AMP, GC_BACKBONE, GC_ENCODER, FSDP = "amp", "gc_backbone", "gc_encoder", "fsdp"
 # (id, switches, seed's peak GB, seed's iteration time s, GPU the seed measured on)
@@ -84,8 +84,8 @@ def main() -> None:
             pred = predict(row_config(Path(tmp), switches), device=gpu(device_name), world_size=8, as_is=True)
             r = pred.results[0]
             out.append(dict(id=rid, switches="+".join(switches) or "plain", gpu=device_name, seed_gb=seed_gb,
-                            allocated_gb=r.allocated / GB, reserved_gb=r.reserved / GB, peak_gb=r.peak_bytes / GB,
-                            allocated_gib=r.allocated / GIB, seconds=r.seconds, seed_s=seed_s,
+                            allocated_gb=r.allocated / GIB, reserved_gb=r.reserved / GIB,
+                            peak_gb=r.peak_bytes / GIB, seconds=r.seconds, seed_s=seed_s,
                             planned_s=time.perf_counter() - start))
             print(f"row {rid}: {out[-1]['allocated_gb']:.1f} GB allocated (seed {seed_gb} GB) "
                   f"in {out[-1]['planned_s']:.0f} s", flush=True)
