@@ -11,7 +11,8 @@ become units comes from, in order of precedence:
   or a policy object such as ``ModuleWrapPolicy({Block})``, evaluated over the module tree exactly
   as FSDP1 would, to pick the units;
 - nothing: the model's repeated block types (every module class that occurs at least twice and
-  holds parameters; the outermost such modules become units).
+  holds parameters in its children - leaf layers only when there is no such block; the outermost
+  such modules become units).
 
 The root module is always the last unit. Activation checkpointing (the runner's transforms) is
 installed before wrapping, on the module's ``forward``, so a checkpointed block recomputes inside
@@ -320,19 +321,31 @@ def _matches(name: str, module: nn.Module, spec: Any) -> bool:
 
 def repeated_blocks(model: nn.Module) -> dict[str, nn.Module]:
     """The outermost modules whose class (not a container) occurs at least twice in ``model`` and that
-    hold parameters."""
+    hold parameters; composite ones (with children holding parameters) only, when there are any.
+
+    Leaf layers (Linear, LayerNorm, Embedding) repeat in every model: as units they would make one
+    all-gather per layer, and a parameter a model reads directly (DINO's ``query_embedding.weight``)
+    would stay sharded outside its unit's forward. They stay in their parent's unit unless the model
+    has no composite block at all (a stack of Linears).
+    """
     counts: dict[type, int] = {}
     for _, m in model.named_modules():
         counts[type(m)] = counts.get(type(m), 0) + 1
-    units: dict[str, nn.Module] = {}
-    for name, m in model.named_modules():
-        # Containers repeat in any model (stages are Sequentials) without being a block type.
-        if not name or counts[type(m)] < 2 or isinstance(m, _CONTAINERS) or next(m.parameters(), None) is None:
-            continue
-        if any(name.startswith(f"{u}.") for u in units):
-            continue  # inside a unit already chosen (named_modules is pre-order: outer first)
-        units[name] = m
-    return units
+
+    def pick(composite_only: bool) -> dict[str, nn.Module]:
+        units: dict[str, nn.Module] = {}
+        for name, m in model.named_modules():
+            # Containers repeat in any model (stages are Sequentials) without being a block type.
+            if not name or counts[type(m)] < 2 or isinstance(m, _CONTAINERS) or next(m.parameters(), None) is None:
+                continue
+            if composite_only and not any(next(c.parameters(), None) is not None for c in m.children()):
+                continue
+            if any(name.startswith(f"{u}.") for u in units):
+                continue  # inside a unit already chosen (named_modules is pre-order: outer first)
+            units[name] = m
+        return units
+
+    return pick(composite_only=True) or pick(composite_only=False)
 
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)

@@ -113,8 +113,9 @@ def test_state_dict_cfg_mmengine_values_and_one_line_errors():
 
 def test_unit_selection():
     net = Net()
-    # Default: repeated classes holding parameters, outermost (Linear head repeats Block's Linear).
-    assert sorted(select_units(net)) == ["head", "layers.0", "layers.1", "layers.2.0", "layers.2.1"]
+    # Default: repeated composite classes holding parameters, outermost; the Linear head (a leaf layer that
+    # repeats Block's Linear) stays in the root unit.
+    assert sorted(select_units(net)) == ["layers.0", "layers.1", "layers.2.0", "layers.2.1"]
     assert sorted(select_units(net, ["Block"])) == ["layers.0", "layers.1", "layers.2.0", "layers.2.1"]
     assert sorted(select_units(net, ["layers.2", nn.Conv2d])) == ["layers.2", "stem"]
     with pytest.raises(ConfigError, match="'Blok' matches no module.*Block"):
