@@ -58,6 +58,9 @@ def row_options(switches: tuple[str, ...]) -> list[str]:
     return opts
 
 
+FSDP_CONFIG = CONFIG.with_name("dino-5scale_swin-l_fsdp_8xb2-12e_coco.py")
+
+
 def row_config(data: Path, switches: tuple[str, ...]) -> dict:
     cfg = Config.fromfile(CONFIG)
     cfg.merge_from_dict(parse_cfg_options([
@@ -65,6 +68,8 @@ def row_config(data: Path, switches: tuple[str, ...]) -> dict:
         "train_dataloader.dataset.ann_file=annotations/instances_train.json",
         "train_dataloader.dataset.data_prefix.img=train/", "train_dataloader.num_workers=0",
         f"train_dataloader.dataset.pipeline={FULL_SIZE}", *row_options(switches)]))
+    if FSDP in switches:  # the seed's FSDP1 policy (a unit per >= 1e7 parameters), as the FSDP config has it
+        cfg.strategy = Config.fromfile(FSDP_CONFIG).strategy
     return cfg.to_dict()
 
 
