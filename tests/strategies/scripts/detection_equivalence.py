@@ -33,10 +33,6 @@ STEPS, PER_RANK, WORLD, LR = 3, 2, 2, 1e-3
 # < 1e-12 of a normalised coordinate rounds away): the denoising queries are the same whatever the RNG draws.
 QUIET = 1e-12
 CHECKPOINTED = ["backbone.layers", "encoder.layers"]
-# FSDP units: the Swin blocks and the deformable layers. Named, because FSDPStrategy's default (every repeated
-# module type) also makes units of DINO's two nn.Embeddings, and DINO reads query_embedding.weight without
-# calling the module, so FSDP never gathers it (a DTensor/Tensor mix error in forward).
-UNITS = ["SwinTransformerBlock", "DeformableEncoderLayer", "DeformableDecoderLayer"]
 
 
 def dino_cfg(noise: bool = False) -> dict:
@@ -120,7 +116,7 @@ def reference(batches: list[list[int]]) -> tuple[list[dict], dict, dict]:
 def fsdp_run(batches: list[list[int]], ref: dict | None, *, noise: bool = False,
              techniques: dict | None = None) -> dict:
     """FSDP2 on this rank's shares; rank 0 compares the gathered parameters with the reference's."""
-    strategy = FSDPStrategy(wrap_modules=UNITS)
+    strategy = FSDPStrategy()  # its default units: DINO's repeated composite modules
     model, wrapper = setup(build_dino(noise), strategy, dict(optimizer=dict(type="AdamW", lr=LR)), techniques)
     wrapper.initialize_count_status(model, 0, -1)
     steps = train(model, wrapper, batches, dist.get_rank(), dist.get_world_size())
@@ -146,6 +142,7 @@ def main() -> None:
     results["fsdp_noise"] = fsdp_run(batches[:1], None, noise=True)
     results["world_size"] = dist.get_world_size()
     write_result(results)
+    dist.barrier()  # no rank tears the group down while the other still uses it
 
 
 if __name__ == "__main__":
