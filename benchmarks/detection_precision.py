@@ -1,7 +1,7 @@
 """DINO in four precisions on shapes-coco: fp32, AMP bf16, DeepSpeed autocast bf16, DeepSpeed whole-model bf16.
 
-    python benchmarks/detection_precision.py                # 60 steps, batch 4, 64 px (~5 minutes on 2 cores)
-    python benchmarks/detection_precision.py --steps 20     # quicker
+    OMP_NUM_THREADS=1 python benchmarks/detection_precision.py   # 60 steps, batch 4, 64 px (~30 s on an idle core)
+    python benchmarks/detection_precision.py --steps 20          # quicker
 
 The tiny DINO of tests/fixtures/detection/dino_tiny.py (Swin embed_dim 32, embed_dims 32, 2 + 2 layers,
 20 queries) trains with memfit's Runner on ``memfit.data.write_shapes_coco`` images (written to a temporary
