@@ -200,6 +200,8 @@ class DeepSpeedStrategy(Strategy):
                "batch_size x accumulative_counts x world size")
         if clip_grad:
             _owned(config, "gradient_clipping", float(clip_grad["max_norm"]), "optim_wrapper.clip_grad.max_norm")
+        else:  # DeepSpeed clips at 1.0 unless told otherwise; unset clip_grad means no clipping, as elsewhere
+            config.setdefault("gradient_clipping", 0.0)
         # A torch optimizer under ZeRO-Offload: DeepSpeed would otherwise insist on its C++ CPUAdam.
         config.setdefault("zero_force_ds_cpu_optimizer", False)
         # Any torch optimizer (SGD, LARC, ...) works under ZeRO's partitioning; DeepSpeed only vouches for Adam.

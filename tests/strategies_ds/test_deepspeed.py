@@ -162,6 +162,12 @@ def test_config_fills_batch_accumulation_clipping_and_autocast():
     assert cfg["zero_allow_untested_optimizer"] is True  # SGD/LARC under ZeRO (found via memfit train --gpus 2)
 
 
+def test_no_clip_grad_means_no_clipping_and_the_strategy_key_still_works():
+    # DeepSpeed 0.19 clips at 1.0 by default: without clip_grad memfit turns that off (found by the DINO test).
+    assert _config(_strategy(zero_optimization=dict(stage=2)), {})["gradient_clipping"] == 0.0
+    assert _config(_strategy(gradient_clipping=2.0), {})["gradient_clipping"] == 2.0
+
+
 @pytest.mark.parametrize("kwargs, wrapper, match", [
     (dict(train_micro_batch_size_per_gpu=8), {}, "disagrees with train_dataloader.batch_size"),
     (dict(gradient_accumulation_steps=2), {}, "disagrees with optim_wrapper.accumulative_counts"),

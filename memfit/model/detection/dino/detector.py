@@ -139,7 +139,8 @@ class DINO(BaseModel):
                                           self.bbox_head.reg_branches)
         if dn_meta is not None and dn_meta["num_denoising_queries"] == 0:
             # no targets in this batch: keep label_embedding in the graph (DDP expects every parameter)
-            hidden = hidden + self.dn_query_generator.label_embedding.weight[0, 0] * 0.0
+            first = torch.zeros(1, dtype=torch.long, device=hidden.device)
+            hidden = hidden + self.dn_query_generator.label_embedding(first)[0, 0] * 0.0
         cls, boxes = self.bbox_head(hidden, references)
         return dict(cls=cls, boxes=boxes, enc_cls=enc_cls, enc_boxes=enc_boxes, dn_meta=dn_meta)
 
@@ -184,7 +185,8 @@ class DINO(BaseModel):
         top = torch.topk(enc_cls.max(-1)[0], k=self.num_queries, dim=1)[1]
         top_cls = torch.gather(enc_cls, 1, top[..., None].expand(-1, -1, enc_cls.shape[-1]))
         top_coords = torch.gather(enc_coords, 1, top[..., None].expand(-1, -1, 4))
-        query = self.query_embedding.weight[None].expand(b, -1, -1)
+        # Called, not read as .weight: a module that is its own FSDP unit is gathered only in its forward.
+        query = self.query_embedding(torch.arange(self.num_queries, device=memory.device))[None].expand(b, -1, -1)
         return query, top_coords.detach(), top_cls, top_coords.sigmoid()
 
     def encoder_proposals(self, memory: Tensor, mask: Tensor | None, shapes: list[tuple[int, int]]
