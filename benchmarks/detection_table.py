@@ -11,8 +11,9 @@ shapes written as a COCO dataset of ``--size`` px squares (the seed's COCO image
 rank as the seed's 8xb2. 900 queries need 900 feature positions: ``--size`` 128 is the smallest. Each
 row's switches come from the row configs beside the seed's: ``activation_checkpointing`` of the FSDP
 config (backbone: its ``types``, encoder: its ``names``) and the ``strategy`` of the FSDP and DeepSpeed
-configs. AMP is ``AmpOptimWrapper`` with ``dtype='bfloat16'`` (the seed used fp16 on GPUs; both halve
-the same tensors).
+configs, FSDP with the seed's units (``wrap_modules``: Swin blocks and encoder layers, as MMDetection's
+project wraps ``SwinBlock`` and ``DeformableDetrTransformerEncoderLayer``). AMP is ``AmpOptimWrapper``
+with ``dtype='bfloat16'`` (the seed used fp16 on GPUs; both halve the same tensors).
 
 Each row follows ``memfit bench``'s protocol (:func:`memfit.planner.bench.measure_plan`): a fresh model
 (seed 0), a warm-up optimizer step so AdamW's state exists, one step under memfit's tracker (peak and
@@ -123,9 +124,9 @@ def row_config(base: dict, row: Row) -> dict:
     if spec:
         cfg["activation_checkpointing"] = spec
     if row.shard == "fsdp":
-        # FSDPStrategy's default units (every repeated class) fail on DINO: query_embedding, one of two
-        # nn.Embeddings, becomes a unit whose weight DINO reads without calling it (a DTensor).
-        cfg["strategy"] = {"wrap_modules": FSDP_UNITS, **fsdp["strategy"]}
+        # The units that gave the seed's numbers. wrap_modules takes precedence over the row config's
+        # size-based policy (MMEngine's example), which makes stage 3's 18 Swin blocks one unit.
+        cfg["strategy"] = {**fsdp["strategy"], "wrap_modules": FSDP_UNITS}
     elif row.shard:
         cfg["strategy"] = ds["strategy"]
     return cfg
