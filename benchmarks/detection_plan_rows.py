@@ -68,7 +68,7 @@ def row_config(data: Path, switches: tuple[str, ...]) -> dict:
         "train_dataloader.dataset.ann_file=annotations/instances_train.json",
         "train_dataloader.dataset.data_prefix.img=train/", "train_dataloader.num_workers=0",
         f"train_dataloader.dataset.pipeline={FULL_SIZE}", *row_options(switches)]))
-    if FSDP in switches:  # the seed's FSDP1 policy (a unit per >= 1e7 parameters), as the FSDP config has it
+    if FSDP in switches:  # per-block units, as the FSDP config (and MMDetection's project) has them
         cfg.strategy = Config.fromfile(FSDP_CONFIG).strategy
     return cfg.to_dict()
 

@@ -96,6 +96,9 @@ class FSDPStrategy(Strategy):
                 and not hasattr(self.auto_wrap_policy, "_run_policy"):
             raise ConfigError(f"FSDPStrategy.model_wrapper.auto_wrap_policy={self.auto_wrap_policy!r}: use a policy "
                               "callable, e.g. partial(size_based_auto_wrap_policy, min_num_params=1e7)")
+        if self.wrap_modules is not None and self.auto_wrap_policy is not None:
+            raise ConfigError("FSDPStrategy: wrap_modules and model_wrapper.auto_wrap_policy both choose the units: "
+                              "give one of them")
         self.reshard_after_forward = _reshard_from(wrapper, reshard_after_forward)
         self.cpu_offload = _offload_flag(wrapper.get("cpu_offload", cpu_offload))
         self.mixed_precision = _mp_policy(wrapper.get("mixed_precision", mixed_precision))

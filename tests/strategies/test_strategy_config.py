@@ -111,6 +111,16 @@ def test_state_dict_cfg_mmengine_values_and_one_line_errors():
         assert "\n" not in str(e.value)
 
 
+def test_two_ways_of_choosing_units_is_a_one_line_error():
+    from functools import partial
+
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+    with pytest.raises(ConfigError, match="wrap_modules and model_wrapper.auto_wrap_policy both choose"):
+        FSDPStrategy(wrap_modules=["Block"],
+                     model_wrapper=dict(auto_wrap_policy=partial(size_based_auto_wrap_policy, min_num_params=10)))
+
+
 def test_unit_selection():
     net = Net()
     # Default: repeated composite classes holding parameters, outermost; the Linear head (a leaf layer that
