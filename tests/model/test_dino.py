@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 import memfit.model.detection  # noqa: F401  (registers TimmBackbone)
 import memfit.model.detection.dino.matcher as matcher_module
 import memfit.model.detection.necks  # noqa: F401  (registers ChannelMapper)
+from memfit.config import Config
 from memfit.data import ShapesDataset
 from memfit.errors import ConfigError
 from memfit.memory.checkpointing import apply_activation_checkpointing, wrapped_forward
@@ -28,30 +29,20 @@ PREPROCESSOR = dict(type="DetDataPreprocessor", mean=[123.675, 116.28, 103.53], 
                     bgr_to_rgb=False, pad_size_divisor=32)
 
 
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "detection" / "dino_tiny.py"
+
+
 def tiny_cfg(dropout: float = 0.0, drop_path: float = 0.0, **over) -> dict:
-    attn = dict(embed_dims=E, num_levels=4, num_heads=4, dropout=dropout)
-    ffn = dict(embed_dims=E, feedforward_channels=64, ffn_drop=dropout)
-    cfg = dict(
-        type="DINO", num_queries=30, with_box_refine=True, as_two_stage=True, num_feature_levels=4,
-        data_preprocessor=PREPROCESSOR,
-        backbone=dict(type="TimmBackbone", model_name="swin_tiny_patch4_window7_224", out_indices=(1, 2, 3),
-                      embed_dim=32, depths=(1, 1, 1, 1), num_heads=(1, 2, 4, 8), drop_path_rate=drop_path),
-        neck=dict(type="ChannelMapper", in_channels=[64, 128, 256], kernel_size=1, out_channels=E, act_cfg=None,
-                  norm_cfg=dict(type="GN", num_groups=8), num_outs=4),
-        encoder=dict(num_layers=2, layer_cfg=dict(self_attn_cfg=attn, ffn_cfg=ffn)),
-        decoder=dict(num_layers=2, return_intermediate=True,
-                     layer_cfg=dict(self_attn_cfg=dict(embed_dims=E, num_heads=4, dropout=dropout),
-                                    cross_attn_cfg=attn, ffn_cfg=ffn), post_norm_cfg=None),
-        positional_encoding=dict(num_feats=E // 2, normalize=True, offset=0.0, temperature=20),
-        bbox_head=dict(type="DINOHead", num_classes=4, sync_cls_avg_factor=True,
-                       loss_cls=dict(type="FocalLoss", use_sigmoid=True, gamma=2.0, alpha=0.25, loss_weight=1.0),
-                       loss_bbox=dict(type="L1Loss", loss_weight=5.0), loss_iou=dict(type="GIoULoss", loss_weight=2.0)),
-        dn_cfg=dict(label_noise_scale=0.5, box_noise_scale=1.0,
-                    group_cfg=dict(dynamic=True, num_groups=None, num_dn_queries=12)),
-        train_cfg=dict(assigner=dict(type="HungarianAssigner", match_costs=[
-            dict(type="FocalLossCost", weight=2.0), dict(type="BBoxL1Cost", weight=5.0, box_format="xywh"),
-            dict(type="IoUCost", iou_mode="giou", weight=2.0)])),
-        test_cfg=dict(max_per_img=20))
+    """The shared tiny DINO (tests/fixtures/detection/dino_tiny.py) with 30 queries and the given dropouts."""
+    cfg = copy.deepcopy(Config.fromfile(FIXTURE).to_dict()["model"])
+    cfg["num_queries"] = 30
+    cfg["backbone"]["drop_path_rate"] = drop_path
+    for part in ("encoder", "decoder"):
+        layer = cfg[part]["layer_cfg"]
+        for attn in ("self_attn_cfg", "cross_attn_cfg"):
+            if attn in layer:
+                layer[attn] = {**layer[attn], "dropout": dropout}
+        layer["ffn_cfg"] = {**layer["ffn_cfg"], "ffn_drop": dropout}
     cfg.update(over)
     return cfg
 
