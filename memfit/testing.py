@@ -71,6 +71,20 @@ class RecordSteps:
         self.losses.append(float(dist.all_reduce_mean(outputs["loss"].detach().float())))
 
 
+def shapes_detection_batch(indices: list[int], image_size: int = 64, max_shapes: int = 3) -> dict:
+    """ShapesDataset items ``indices`` as the detection train loader gives them: uint8 images, pseudo-collated,
+    with MMDetection's sample fields (no resize, so ``img_shape == ori_shape`` and ``scale_factor`` is 1)."""
+    from memfit.data import ShapesDataset
+
+    ds = ShapesDataset(num_samples=max(indices) + 1, image_size=image_size, max_shapes=max_shapes, transform=[])
+    items = [ds[i] for i in indices]
+    shape = (image_size, image_size)
+    return dict(inputs=[it["img"] for it in items],
+                data_samples=[dict(img_id=i, img_shape=shape, ori_shape=shape, scale_factor=(1.0, 1.0),
+                                   gt_instances=dict(bboxes=it["boxes"], labels=it["labels"]))
+                              for i, it in zip(indices, items)])
+
+
 def classification_data(n: int, dim: int, classes: int = 3, seed: int = 7) -> list:
     """``n`` random ``(x, y)`` samples, the same in every process."""
     import torch

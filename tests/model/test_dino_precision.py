@@ -19,21 +19,12 @@ import torch
 
 import memfit.model  # noqa: F401  (registers DINO and its parts)
 from memfit.config import Config
-from memfit.data import ShapesDataset
 from memfit.optim import AmpOptimWrapper, OptimWrapper
 from memfit.registry import MODELS
+from memfit.testing import shapes_detection_batch
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "detection" / "dino_tiny.py"
 REL_TOL = 0.05
-
-
-def _batch(indices: list[int]) -> dict:
-    ds = ShapesDataset(num_samples=8, image_size=64, max_shapes=3, transform=[])
-    items = [ds[i] for i in indices]
-    return dict(inputs=[it["img"] for it in items],
-                data_samples=[dict(img_id=i, img_shape=(64, 64), ori_shape=(64, 64), scale_factor=(1.0, 1.0),
-                                   gt_instances=dict(bboxes=it["boxes"], labels=it["labels"]))
-                              for i, it in zip(indices, items)])
 
 
 def _curve(model: torch.nn.Module, batch: dict, amp: bool, steps: int = 6) -> list[float]:
@@ -49,7 +40,7 @@ def _curve(model: torch.nn.Module, batch: dict, amp: bool, steps: int = 6) -> li
 def test_bf16_autocast_loss_curve_follows_fp32():
     torch.manual_seed(1)
     model = MODELS.build(Config.fromfile(FIXTURE).to_dict()["model"], key="model")
-    batch = _batch([0, 1])
+    batch = shapes_detection_batch([0, 1])
     fit = OptimWrapper(torch.optim.AdamW(model.parameters(), lr=3e-3), clip_grad=dict(max_norm=1.0))
     torch.manual_seed(0)
     for _ in range(30):

@@ -25,7 +25,7 @@ from memfit.memory.checkpointing import wrapped_forward
 from memfit.optim import OptimWrapper
 from memfit.registry import MODELS
 from memfit.strategies import FSDPStrategy
-from memfit.testing import write_result
+from memfit.testing import shapes_detection_batch, write_result
 
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "detection" / "dino_tiny.py"
 STEPS, PER_RANK, WORLD, LR = 3, 2, 2, 1e-3
@@ -63,16 +63,6 @@ def global_batches(steps: int = STEPS, per_rank: int = PER_RANK, world: int = WO
             for _ in range(steps)]
 
 
-def to_batch(indices: list[int]) -> dict:
-    """The images as the train loader gives them (uint8, pseudo-collated) with MMDetection's sample fields."""
-    ds = ShapesDataset(num_samples=64, image_size=64, max_shapes=3, transform=[])
-    items = [ds[i] for i in indices]
-    return dict(inputs=[it["img"] for it in items],
-                data_samples=[dict(img_id=i, img_shape=(64, 64), ori_shape=(64, 64), scale_factor=(1.0, 1.0),
-                                   gt_instances=dict(bboxes=it["boxes"], labels=it["labels"]))
-                              for i, it in zip(indices, items)])
-
-
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full parameters (gathered from FSDP's shards), on every rank."""
     return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
@@ -100,7 +90,8 @@ def train(model: torch.nn.Module, wrapper, batches: list[list[int]], rank: int, 
     steps = []
     for indices in batches:
         share = len(indices) // world
-        log = model.train_step(to_batch(indices[rank * share:(rank + 1) * share]), optim_wrapper=wrapper)
+        batch = shapes_detection_batch(indices[rank * share:(rank + 1) * share])
+        log = model.train_step(batch, optim_wrapper=wrapper)
         steps.append({k: float(dist.all_reduce_mean(v.float())) if world > 1 else float(v) for k, v in log.items()})
     return steps
 
