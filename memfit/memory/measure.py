@@ -101,6 +101,8 @@ class _LiveStorages(TorchDispatchMode):
         self.grads_pending = False
         self._fake_on_entry: Any = None
         self._orig_resize: Any = None
+        self._orig_propagate: Any = None
+        self.metadata_only = 0  # > 0 while DTensor computes an output's shape on stand-in tensors
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def add(self, st: torch.UntypedStorage, category: str, retroactive: bool = False) -> None:
@@ -184,10 +186,25 @@ class _LiveStorages(TorchDispatchMode):
             return out
 
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        if _ShardingPropagator is not None:
+            # The first time DTensor meets an op it runs it on stand-ins of its global shape, in the active
+            # fake mode (ours, under the planner), to learn the output's shape: no memory of the step.
+            self._orig_propagate = propagate = _ShardingPropagator._propagate_tensor_meta_non_cached
+
+            def shapes_only(prop: Any, *args: Any, **kwargs: Any) -> Any:
+                self.metadata_only += 1
+                try:
+                    return propagate(prop, *args, **kwargs)
+                finally:
+                    self.metadata_only -= 1
+
+            _ShardingPropagator._propagate_tensor_meta_non_cached = shapes_only
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+        if self._orig_propagate is not None:
+            _ShardingPropagator._propagate_tensor_meta_non_cached = self._orig_propagate
         super().__exit__(*exc)
         # Dropping the weak references drops their finalisers: nothing calls back into a closed tracker.
         self.live.clear()
@@ -195,6 +212,8 @@ class _LiveStorages(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if _DTensor is not None and any(t is _DTensor for t in types):
             return NotImplemented  # let DTensor desugar to local tensors, which are what holds memory
+        if self.metadata_only:
+            return func(*args, **(kwargs or {}))
         comm = func.namespace in _COMM_NAMESPACES
         # ``torch.tensor(...)`` made inside the step (Adam's first ``step`` counters) reaches the mode as
         # lift_fresh of a constant made outside the dispatcher: it is new, not an input alive at entry.
@@ -235,8 +254,9 @@ class _LiveStorages(TorchDispatchMode):
 
 try:
     from torch.distributed.tensor import DTensor as _DTensor
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator as _ShardingPropagator
 except ImportError:  # torch built without distributed
-    _DTensor = None
+    _DTensor = _ShardingPropagator = None
 
 
 class MemoryTracker:

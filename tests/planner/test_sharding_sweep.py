@@ -71,3 +71,22 @@ def test_fsdp_model_state_is_16_bytes_per_parameter_over_n(model, world):
         assert abs(b[key] - per_elem * shard) <= 0.01 * per_elem * shard, (world, key, b[key], per_elem * shard)
     # Without the padding the state falls as 1/N: N x (state - remainder) is the whole model's 16 B/param.
     assert abs(world * (state - remainder) / (BYTES_PER_PARAM * params) - 1) <= 0.01
+
+
+def test_dtensor_shape_propagation_is_not_memory(model):
+    """The first time DTensor meets an op it runs it on stand-ins of the global shape, in the active fake
+    mode, to learn the output's shape: the tracker must not count them, so a step measures the same
+    whether DTensor's caches are cold (the first FSDP step of a planner worker) or warm."""
+    from torch.distributed.tensor import DTensor
+
+    cfg = dict(model=model, strategy=dict(type="FSDPStrategy"),
+               optim_wrapper=dict(type="OptimWrapper", optimizer=dict(type="AdamW", lr=1e-3)))
+    batch = (torch.randn(2, WIDTH), torch.randint(0, CLASSES, (2,)))
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    with fake_process_group(4):
+        propagator.propagate_op_sharding.cache_clear()
+        propagator._propagate_tensor_meta_cached.cache_clear()
+        cold = measure_step(cfg, full=True, batch=batch, steps=1)
+        warm = measure_step(cfg, full=True, batch=batch, steps=1)
+    assert cold.optimizer.breakdown == warm.optimizer.breakdown
+    assert cold.peak == warm.peak
