@@ -121,8 +121,32 @@ def predict(cfg: dict, *, device: Device, world_size: int = 1, budget: int | Non
         log.setLevel(level)
 
 
+def on_target(cfg: dict, device: Device) -> dict:
+    """``cfg`` as its steps run on ``device``: on CUDA, torch's optimizers default to their ``foreach``
+    implementation (CPU tensors, which the fake step runs, default to the per-tensor loop). foreach holds
+    a parameter-sized temporary while it steps, and is one operator per list, not per tensor."""
+    import inspect
+
+    from memfit.registry import OPTIMIZERS
+
+    ow = cfg.get("optim_wrapper")
+    opt = ow.get("optimizer") if isinstance(ow, dict) else None
+    if not device.cuda or not isinstance(opt, dict) or "foreach" in opt or opt.get("fused"):
+        return cfg
+    kind = opt.get("type")
+    try:
+        target = OPTIMIZERS.get(kind) if isinstance(kind, str) else kind
+        takes = "foreach" in inspect.signature(target).parameters
+    except (ConfigError, KeyError, TypeError, ValueError):
+        return cfg
+    if not takes:
+        return cfg
+    return {**cfg, "optim_wrapper": {**ow, "optimizer": {**opt, "foreach": True}}}
+
+
 def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: bool, progress: bool, verify: bool,
              start: float) -> Prediction:
+    cfg = on_target(cfg, device)
     meta = build_meta_model(cfg["model"])
     facts = ModelFacts.of(meta)
     configured = configured_plan(cfg, facts, device.cuda)

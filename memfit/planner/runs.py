@@ -9,6 +9,8 @@ fake process group of their own.
 
 from __future__ import annotations
 
+import copy
+import json
 import multiprocessing
 import os
 import sys
@@ -16,7 +18,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
 from memfit.planner.fake import Phase, StepMeasurement, fake_process_group, first_batch, measure_step
-from memfit.planner.space import ModelFacts, Plan
+from memfit.planner.space import ModelFacts, Plan, technique_cfg
 
 _WORKER: dict[str, Any] = {}  # the forked worker's meta model, world size and batches
 
@@ -51,13 +53,52 @@ def workers() -> int:
     return max(1, min(cores, 4))
 
 
+def _canonical(cfg: dict, full: bool, steps: int) -> str:
+    """What a fake step of ``cfg`` runs, as a string: two configs that differ only in how they say the same
+    thing (fp16 for bf16, which the fake step measures alike; FSDP's defaults written out or not; the
+    technique switches at the top level or under ``cfg``; accumulation a forward/backward run overrides)
+    run the same step, once. Unsure cases stay apart (live objects compare by identity)."""
+    from memfit.config.schema import TECHNIQUE_KEYS
+
+    c = copy.copy(cfg)
+    techniques = {k: v for k, v in technique_cfg(c).items() if v}
+    for key in ("cfg", *TECHNIQUE_KEYS):
+        c.pop(key, None)
+    c["cfg"] = techniques
+    ow = c.get("optim_wrapper")
+    if isinstance(ow, dict):
+        ow = dict(ow)
+        if str(ow.get("dtype", "")).removeprefix("torch.") == "float16":
+            ow["dtype"] = "bfloat16"  # measure_step runs fp16 as bf16
+        ow.setdefault("accumulative_counts", 1)
+        if not full:
+            ow["accumulative_counts"] = 2  # measure_step's forward/backward run: one micro-step of two
+        c["optim_wrapper"] = ow
+    strategy = c.get("strategy")
+    if isinstance(strategy, dict) and strategy.get("type") == "FSDPStrategy":
+        c["strategy"] = {"reshard_after_forward": True, "cpu_offload": False, **strategy}
+    return json.dumps([c, full, steps if full else 1], sort_keys=True, default=repr)
+
+
+def _cost(cfg: dict, full: bool, steps: int) -> int:
+    """A fake step's relative run time, for ordering: micro-steps, plus an optimizer step and sharding."""
+    if not full:
+        return 1
+    ow = cfg.get("optim_wrapper")
+    counts = ow.get("accumulative_counts", 1) if isinstance(ow, dict) else 1
+    strategy = cfg.get("strategy")
+    return steps * (counts + 1) + (isinstance(strategy, dict) and strategy.get("type") == "FSDPStrategy")
+
+
 class Runs:
-    """Cached fake steps by key. ``collecting``: :meth:`run` records and returns a placeholder."""
+    """Fake steps, run once per distinct step (:func:`_canonical`) and cached. ``collecting``:
+    :meth:`run` records the step and returns a placeholder."""
 
     def __init__(self, cfg: dict, facts: ModelFacts, meta: Any, world_size: int, progress: bool) -> None:
         self.cfg, self.facts, self.meta, self.world = cfg, facts, meta, world_size
-        self.cache: dict[Any, StepMeasurement] = {}
-        self.pending: dict[Any, tuple[dict, bool, int, str]] = {}
+        self.canon: dict[Any, str] = {}  # a caller's key -> the step it names
+        self.cache: dict[str, StepMeasurement] = {}
+        self.pending: dict[str, tuple[dict, bool, int, str]] = {}
         self.collecting = False
         self.progress = progress
 
@@ -68,19 +109,27 @@ class Runs:
         return cfg
 
     def run(self, key: Any, plan: Plan, full: bool, single: bool = False, steps: int = 2) -> StepMeasurement:
-        if key in self.cache:
-            return self.cache[key]
+        """The fake step of ``plan`` (``full``: ``steps`` optimizer steps, else one forward/backward;
+        ``single``: in one process); ``key`` names it for the caller."""
+        if key not in self.canon:
+            cfg = self._cfg(plan, single)
+            self.canon[key] = _canonical(cfg, full, steps)
+            if self.canon[key] not in self.cache and self.canon[key] not in self.pending:
+                self.pending[self.canon[key]] = (cfg, full, steps, plan.name)
+        canon = self.canon[key]
+        if canon in self.cache:
+            return self.cache[canon]
         if self.collecting:
-            self.pending[key] = (self._cfg(plan, single), full, steps, plan.name)
             return StepMeasurement(0, {}, Phase(), Phase())
-        self.pending = {key: (self._cfg(plan, single), full, steps, plan.name)}
         self.execute()
-        return self.cache[key]
+        return self.cache[canon]
 
     def _in_workers(self, pending: dict, n: int, bar: Any) -> None:
         ctx = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker, initargs=(self.world,)) as pool:
-            futures = {pool.submit(_run_one, cfg, full, steps): key for key, (cfg, full, steps, _) in pending.items()}
+            # Longest first (whole steps, then forward/backward runs): two cores finish together.
+            order = sorted(pending.items(), key=lambda kv: -_cost(*kv[1][:3]))
+            futures = {pool.submit(_run_one, cfg, full, steps): key for key, (cfg, full, steps, _) in order}
             for future in as_completed(futures):
                 self.cache[futures[future]] = future.result()
                 if bar is not None:

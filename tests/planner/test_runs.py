@@ -24,3 +24,25 @@ def test_worker_count_is_at_least_one(workers, monkeypatch):
 
     monkeypatch.setenv("MEMFIT_PLAN_WORKERS", workers)
     assert count() == 1
+
+
+def test_steps_that_differ_only_in_wording_run_once(tiny_config, tmp_path):
+    """fp16 is measured as bf16, FSDP's defaults may be written out or not, and a forward/backward run
+    overrides accumulation: such configs run one fake step, so the recommended plan's verification
+    reuses the configured plan's step when they are the same step."""
+    from memfit.planner.runs import _canonical
+    from memfit.planner.space import ModelFacts, Plan
+
+    cfg = Config.fromfile(str(tiny_config(tmp_path))).to_dict()
+    facts = ModelFacts((), (), (), False)
+    configured = {**cfg, "strategy": dict(type="FSDPStrategy"),
+                  "optim_wrapper": {**cfg["optim_wrapper"], "type": "AmpOptimWrapper", "dtype": "float16"}}
+    bf16 = Plan("bf16", sharding="fsdp", micro_batch=1).apply(cfg, facts)
+    assert _canonical(configured, True, 2) == _canonical(bf16, True, 2)
+    assert _canonical(configured, False, 2) == _canonical({**bf16, "optim_wrapper": {
+        **bf16["optim_wrapper"], "accumulative_counts": 4}}, False, 1)
+    for other in (Plan("fp32", sharding="fsdp", micro_batch=1), Plan("bf16", sharding="zero2", micro_batch=1),
+                  Plan("bf16", "blocks", "fsdp", micro_batch=1)):
+        assert _canonical(configured, True, 2) != _canonical(other.apply(cfg, facts), True, 2), other.name
+    assert _canonical(configured, True, 2) != _canonical(configured, True, 1)
+    assert _canonical(configured, True, 2) != _canonical(configured, False, 2)
