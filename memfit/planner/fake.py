@@ -212,17 +212,19 @@ def first_batch(loader_cfg: dict) -> Any:
 
 
 def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model: nn.Module | None = None,
-                 steps: int = 2) -> StepMeasurement:
+                 steps: int = 2, cuda: bool = False) -> StepMeasurement:
     """Run the config's training step on fake tensors inside the current (fake) process group.
 
     ``full``: two optimizer steps (see the module docstring); otherwise one micro-step's forward and
     backward. ``batch`` defaults to the first batch of ``cfg['train_dataloader']``; ``meta_model``
-    (a model already built on meta) is copied instead of building the config's model again.
+    (a model already built on meta) is copied instead of building the config's model again. ``cuda``:
+    the target is a CUDA device, so autocast casts as CUDA's does (:mod:`memfit.planner.cuda_autocast`).
     """
     import time
 
     from memfit.connector import setup
     from memfit.optim.builder import scale_lr_cfg
+    from memfit.planner.cuda_autocast import cuda_autocast_on_cpu
     from memfit.precision import precision_options
     from memfit.strategies import DDPStrategy, build_strategy
 
@@ -268,7 +270,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
         # window cut short by the end of training would step the optimizer).
         wrapper.initialize_count_status(model, 0, micro_steps if full else 2)
         counter = _OpCounter()
-        with MemoryTracker(model, wrapper.optimizer) as tracker, counter:
+        with MemoryTracker(model, wrapper.optimizer) as tracker, counter, cuda_autocast_on_cpu(cuda):
             phases = _Phases(tracker)
             for i in range(micro_steps):
                 counter.counting = (i == micro_steps - 1) if not full else i >= micro_steps - counts

@@ -154,7 +154,7 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
     plans = [] if as_is else [p for p in enumerate_plans(configured, facts, world_size, precisions) if p != configured]
     ref = Plan("fp32", "none", "none", "none", False, configured.micro_batch, configured.accumulative_counts)
     micro = sorted({p.micro_batch for p in plans} - {configured.micro_batch})
-    runs = Runs(cfg, facts, meta, world_size, progress)
+    runs = Runs(cfg, facts, meta, world_size, progress, device.cuda)
     compose = _Composer(runs, ref, device, world_size, micro)
     runs.collecting = True  # first pass: which fake steps the composition needs; then run them all at once
     runs.run("configured", configured, full=True)

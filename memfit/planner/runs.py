@@ -37,12 +37,12 @@ def _init_worker(world_size: int) -> None:
     _WORKER["group"] = group
 
 
-def _run_one(cfg: dict, full: bool, steps: int) -> StepMeasurement:
+def _run_one(cfg: dict, full: bool, steps: int, cuda: bool) -> StepMeasurement:
     batches = _WORKER.setdefault("batches", {})
     mb = cfg["train_dataloader"]["batch_size"]
     if mb not in batches:
         batches[mb] = first_batch(cfg["train_dataloader"])
-    return measure_step(cfg, full=full, batch=batches[mb], meta_model=_WORKER["meta"], steps=steps)
+    return measure_step(cfg, full=full, batch=batches[mb], meta_model=_WORKER["meta"], steps=steps, cuda=cuda)
 
 
 def workers() -> int:
@@ -56,8 +56,9 @@ def workers() -> int:
 def _canonical(cfg: dict, full: bool, steps: int) -> str:
     """What a fake step of ``cfg`` runs, as a string: two configs that differ only in how they say the same
     thing (fp16 for bf16, which the fake step measures alike; FSDP's defaults written out or not; the
-    technique switches at the top level or under ``cfg``; accumulation a forward/backward run overrides)
-    run the same step, once. Unsure cases stay apart (live objects compare by identity)."""
+    technique switches at the top level or under ``cfg``; accumulation a forward/backward run overrides;
+    FSDP's CPU offload, a no-op on CPU tensors) run the same step, once. Unsure cases stay apart (live
+    objects compare by identity)."""
     from memfit.config.schema import TECHNIQUE_KEYS
 
     c = copy.copy(cfg)
@@ -76,7 +77,9 @@ def _canonical(cfg: dict, full: bool, steps: int) -> str:
         c["optim_wrapper"] = ow
     strategy = c.get("strategy")
     if isinstance(strategy, dict) and strategy.get("type") == "FSDPStrategy":
-        c["strategy"] = {"reshard_after_forward": True, "cpu_offload": False, **strategy}
+        # On CPU (fake) tensors FSDP's CPU offload moves nothing: the step holds what the same step without it
+        # holds (measured equal, phase by phase); what leaves a CUDA device is taken out by the predictor.
+        c["strategy"] = {"reshard_after_forward": True, **strategy, "cpu_offload": False}
     return json.dumps([c, full, steps if full else 1], sort_keys=True, default=repr)
 
 
@@ -94,8 +97,9 @@ class Runs:
     """Fake steps, run once per distinct step (:func:`_canonical`) and cached. ``collecting``:
     :meth:`run` records the step and returns a placeholder."""
 
-    def __init__(self, cfg: dict, facts: ModelFacts, meta: Any, world_size: int, progress: bool) -> None:
-        self.cfg, self.facts, self.meta, self.world = cfg, facts, meta, world_size
+    def __init__(self, cfg: dict, facts: ModelFacts, meta: Any, world_size: int, progress: bool,
+                 cuda: bool = False) -> None:
+        self.cfg, self.facts, self.meta, self.world, self.cuda = cfg, facts, meta, world_size, cuda
         self.canon: dict[Any, str] = {}  # a caller's key -> the step it names
         self.cache: dict[str, StepMeasurement] = {}
         self.pending: dict[str, tuple[dict, bool, int, str]] = {}
@@ -129,7 +133,7 @@ class Runs:
         with ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker, initargs=(self.world,)) as pool:
             # Longest first (whole steps, then forward/backward runs): two cores finish together.
             order = sorted(pending.items(), key=lambda kv: -_cost(*kv[1][:3]))
-            futures = {pool.submit(_run_one, cfg, full, steps): key for key, (cfg, full, steps, _) in order}
+            futures = {pool.submit(_run_one, cfg, full, steps, self.cuda): key for key, (cfg, full, steps, _) in order}
             for future in as_completed(futures):
                 self.cache[futures[future]] = future.result()
                 if bar is not None:
@@ -163,7 +167,7 @@ class Runs:
                         continue
                     if bar is not None:
                         bar.set_postfix_str(name)
-                    self.cache[key] = _run_one(cfg, full, steps)
+                    self.cache[key] = _run_one(cfg, full, steps, self.cuda)
                     if bar is not None:
                         bar.update(1)
         finally:

@@ -44,5 +44,7 @@ def test_steps_that_differ_only_in_wording_run_once(tiny_config, tmp_path):
     for other in (Plan("fp32", sharding="fsdp", micro_batch=1), Plan("bf16", sharding="zero2", micro_batch=1),
                   Plan("bf16", "blocks", "fsdp", micro_batch=1)):
         assert _canonical(configured, True, 2) != _canonical(other.apply(cfg, facts), True, 2), other.name
+    offload = {**configured, "strategy": dict(type="FSDPStrategy", cpu_offload=True)}
+    assert _canonical(offload, True, 2) == _canonical(configured, True, 2)  # a no-op on CPU tensors
     assert _canonical(configured, True, 2) != _canonical(configured, True, 1)
     assert _canonical(configured, True, 2) != _canonical(configured, False, 2)

@@ -53,3 +53,31 @@ def test_foreach_holds_a_parameter_sized_temporary_in_the_optimizer_phase():
     # foreach AdamW takes the sqrt of every exp_avg_sq at once; the loop holds two temporaries of one
     # parameter at a time (each 1/16 of the parameters here).
     assert phases[True] - phases[False] >= 0.8 * params
+
+
+def test_cuda_targets_cast_as_cuda_autocast():
+    """Under AMP, CUDA autocast runs LayerNorm in fp32 (it keeps an fp32 copy of its bf16 input for the
+    backward), CPU autocast in the input's dtype: the fake step for a CUDA target holds those bytes."""
+    from memfit.model import BaseModel
+
+    class Net(BaseModel):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.norm, self.fc2 = nn.Linear(64, 256), nn.LayerNorm(256), nn.Linear(256, 64)
+
+        def forward(self, x, mode="tensor"):
+            out = self.fc2(self.norm(self.fc1(x)))
+            return {"loss": out.float().square().mean()} if mode == "loss" else out
+
+    with torch.device("meta"):
+        model = Net()
+    rows = 512
+    cfg = dict(model=model, optim_wrapper=dict(type="AmpOptimWrapper", dtype="bfloat16",
+                                               optimizer=dict(type="SGD", lr=0.1)))
+    with fake_process_group(1):
+        cpu, cuda = (measure_step(cfg, full=False, batch=(torch.randn(rows, 64),), cuda=flag).forward_backward
+                     for flag in (False, True))
+    # CUDA: LayerNorm keeps an fp32 copy of its input (4 B) where CPU keeps fc1's bf16 output (2 B); its fp32
+    # output is cast to bf16 for fc2 (the 2 B CPU keeps too) and freed: 2 B per LayerNorm element more.
+    assert cuda.breakdown["activations"] - cpu.breakdown["activations"] >= 2 * rows * 256
+    assert cuda.breakdown["parameters"] == cpu.breakdown["parameters"]
