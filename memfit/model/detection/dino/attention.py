@@ -1,15 +1,20 @@
 """The attention and feed-forward blocks of DINO's transformer, with MMCV's parameter names.
 
 ``multi_scale_deformable_attn`` is the multi-scale sampling of Deformable DETR written with
-``grid_sample`` (what mmcv's ``multi_scale_deformable_attn_pytorch`` does). It is our own 30 lines rather
+``grid_sample`` (what mmcv's ``multi_scale_deformable_attn_pytorch`` computes). It is our own code rather
 than ``transformers``' ``MultiScaleDeformableAttention``: importing that module pulls in DeepSpeed (it
 prints an accelerator warning and adds ~4 s to the import) and decorates the op with a kernel-hub
-replacement, and we need the op as an fp32 island under autocast anyway.
+replacement; we need the op as an fp32 island under autocast anyway; and, unlike mmcv's and transformers'
+pure-PyTorch versions, which sample every level at once and stack the samples, ours samples one level and
+one range of queries at a time and recomputes the samples in backward, so that its memory is close to
+MMCV's CUDA kernel's, which holds no samples at all (see ``_SampleAndWeigh``).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -21,56 +26,127 @@ from memfit.model.detection.dino.fp32 import fp32_island
 
 
 def multi_scale_deformable_attn(value: Tensor, spatial_shapes: list[tuple[int, int]], sampling_locations: Tensor,
-                                attention_weights: Tensor) -> Tensor:
+                                attention_weights: Tensor, chunk_elements: int | None = None) -> Tensor:
     """Sample every level at the given locations and sum with the attention weights, in fp32.
 
     ``value`` ``[B, S, heads, d]`` (the levels' maps flattened and concatenated), ``spatial_shapes`` the
     ``(h, w)`` of each level, ``sampling_locations`` ``[B, Q, heads, levels, points, 2]`` in ``[0, 1]``
     (x, y), ``attention_weights`` ``[B, Q, heads, levels, points]`` -> ``[B, Q, heads * d]`` (fp32).
     Bilinear sampling at fractional positions loses precision in bf16/fp16, so autocast is off here
-    (MMCV's CUDA kernel is fp32 too).
+    (MMCV's CUDA kernel is fp32 too). ``chunk_elements`` bounds the samples held at once (default
+    ``CHUNK_ELEMENTS``; see ``_SampleAndWeigh``).
     """
     with fp32_island(value.device):
         return _SampleAndWeigh.apply(value.float(), sampling_locations.float(), attention_weights.float(),
-                                     tuple(spatial_shapes))
+                                     tuple(spatial_shapes), chunk_elements or CHUNK_ELEMENTS)
 
 
-def _sample_and_weigh(value: Tensor, locations: Tensor, weights: Tensor, shapes: tuple[tuple[int, int], ...]) -> Tensor:
+# The most samples (fp32 elements) one grid_sample call makes: 256 MiB. One level's samples,
+# B * heads * d * Q * points elements, are half of an encoder layer's feed-forward hidden [B, Q, 2048] in
+# DINO (256 channels, 4 points) at any image size, so going level by level already keeps the sampling
+# below that layer's own backward; the chunks bound it in absolute terms too (~3 x 256 MiB held in the
+# backward) for larger Q, more points or wider heads. DINO Swin-L at 2 x 1344 x 800 (~89k queries) then
+# samples a level in 3 calls of 22M elements each: far more work per call than a kernel launch costs,
+# and few calls (the planner's fake step of that model runs ~15% more operators than with one a level).
+CHUNK_ELEMENTS = 2**26
+
+
+def _query_chunks(value: Tensor, locations: Tensor, chunk_elements: int) -> list[tuple[int, int]]:
+    """Query ranges whose samples of one level, ``[B * heads, d, queries, points]``, hold at most
+    ``chunk_elements`` elements (at least one query each). Shapes only: no data, fake-tensor safe."""
     b, _, heads, d = value.shape
-    _, q, _, levels, points, _ = locations.shape
-    values = value.split([h * w for h, w in shapes], dim=1)
-    grids = 2 * locations - 1  # grid_sample's [-1, 1] coordinates
-    sampled = []
-    for level, (h, w) in enumerate(shapes):
-        v = values[level].flatten(2).transpose(1, 2).reshape(b * heads, d, h, w)
-        grid = grids[:, :, :, level].transpose(1, 2).flatten(0, 1)  # [B * heads, Q, points, 2]
-        sampled.append(F.grid_sample(v, grid, mode="bilinear", padding_mode="zeros", align_corners=False))
-    weights = weights.transpose(1, 2).reshape(b * heads, 1, q, levels * points)
-    out = (torch.stack(sampled, dim=-2).flatten(-2) * weights).sum(-1).view(b, heads * d, q)
-    return out.transpose(1, 2).contiguous()
+    q, points = locations.shape[1], locations.shape[4]
+    step = max(1, chunk_elements // (b * heads * d * points))
+    return [(start, min(start + step, q)) for start in range(0, q, step)]
+
+
+def _levels(value: Tensor, locations: Tensor, weights: Tensor,
+            shapes: tuple[tuple[int, int], ...]) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+    """One level at a time, in ``grid_sample``'s layout: the map ``[B * heads, d, h, w]``, the grid
+    ``[B * heads, Q, points, 2]`` in [-1, 1] and the weights ``[B * heads, 1, Q, points]``."""
+    b, _, heads, d = value.shape
+    q = locations.shape[1]
+    for level, (v, (h, w)) in enumerate(zip(value.split([h * w for h, w in shapes], dim=1), shapes)):
+        yield (v.flatten(2).transpose(1, 2).reshape(b * heads, d, h, w),
+               (2 * locations[:, :, :, level] - 1).transpose(1, 2).flatten(0, 1),
+               weights[:, :, :, level].transpose(1, 2).reshape(b * heads, 1, q, -1))
+
+
+def _sample_level(v: Tensor, grid: Tensor, weights: Tensor, heads: int) -> Tensor:
+    """One level's bilinear samples ``[B * heads, d, q, points]`` of ``v`` at ``grid``, weighed and summed
+    over the points: ``[B, q, heads, d]``."""
+    sampled = F.grid_sample(v, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    out = (sampled * weights).sum(-1)
+    return out.view(-1, heads, *out.shape[1:]).permute(0, 3, 1, 2)
+
+
+def _sample_and_weigh(value: Tensor, locations: Tensor, weights: Tensor, shapes: tuple[tuple[int, int], ...],
+                      chunk_elements: int = CHUNK_ELEMENTS) -> Tensor:
+    """The forward, level by level and query range by query range, summed into ``[B, Q, heads * d]``."""
+    b, q, heads = locations.shape[:3]
+    out = value.new_zeros(b, q, heads, value.shape[-1])
+    chunks = _query_chunks(value, locations, chunk_elements)
+    for v, grid, w in _levels(value, locations, weights, shapes):
+        for start, end in chunks:
+            out[:, start:end] += _sample_level(v, grid[:, start:end], w[:, :, start:end], heads)
+    return out.view(b, q, -1)
 
 
 class _SampleAndWeigh(torch.autograd.Function):
     """The sampling with MMCV's kernel's memory profile: only the inputs are kept for the backward, which
-    recomputes the bilinear samples. Autograd through ``_sample_and_weigh`` would keep the samples,
-    ``[B * heads, d, Q, levels * points]`` in fp32: about 1 GB per encoder layer of DINO Swin-L at 2 x
-    800 x 1344, 6 layers (its fake-tensor fp32 step peaks at 62.5 GiB that way, 44.8 GiB with this)."""
+    recomputes the bilinear samples, and the samples exist one level and one range of queries at a time
+    (``chunk_elements`` at most), in the forward and in the backward's recompute alike; the backward runs
+    autograd through ``_sample_level`` for each such piece. Autograd through the whole op would keep all
+    levels' samples, ``[B * heads, d, Q, levels * points]`` in fp32: 3.4 GiB per encoder layer of DINO
+    Swin-L at 2 x 1344 x 800. Sampling all levels at once, as this op did, held three such tensors together
+    (the samples, their stack, the product with the weights; in backward the stack and that product's two
+    gradients): 10.3 GiB in every encoder layer's forward and backward recompute, which made the peak of
+    the planner's fake DINO Swin-L step (fp32: 47.3 GiB; 43.2 GiB now, with the peak in the last encoder
+    layer's feed-forward backward). Now the op holds ~1.2 GiB beside its inputs, output and gradients."""
 
     @staticmethod
     def forward(ctx: Any, value: Tensor, locations: Tensor, weights: Tensor,
-                shapes: tuple[tuple[int, int], ...]) -> Tensor:
+                shapes: tuple[tuple[int, int], ...], chunk_elements: int) -> Tensor:
         ctx.save_for_backward(value, locations, weights)
-        ctx.shapes = shapes
-        return _sample_and_weigh(value, locations, weights, shapes)
+        ctx.shapes, ctx.chunk_elements = shapes, chunk_elements
+        return _sample_and_weigh(value, locations, weights, shapes, chunk_elements)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        value, locations, weights = ctx.saved_tensors
+        b, q, heads, levels, points, _ = locations.shape
         needs = ctx.needs_input_grad[:3]
-        inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
+        # The gradients in grid_sample's layout (the locations' through grid = 2 * locations - 1)
+        grad_value = torch.zeros_like(value) if needs[0] else None
+        grad_grid = locations.new_empty(b * heads, levels, q, points, 2) if needs[1] else None
+        grad_weights = weights.new_empty(b * heads, levels, 1, q, points) if needs[2] else None
+        grad = grad.float().reshape(b, q, heads, -1)
+        chunks = _query_chunks(value, locations, ctx.chunk_elements)
+        offsets = [0, *itertools.accumulate(h * w for h, w in ctx.shapes)]
         with torch.enable_grad(), fp32_island(grad.device):
-            out = _sample_and_weigh(*inputs, ctx.shapes)
-        grads = iter(torch.autograd.grad(out, [t for t, need in zip(inputs, needs) if need], grad.float()))
-        return (*(next(grads) if need else None for need in needs), None)
+            for level, (v, grid, w) in enumerate(_levels(value.detach(), locations.detach(), weights.detach(),
+                                                         ctx.shapes)):
+                v.requires_grad_(needs[0])
+                grad_v = None
+                for start, end in chunks:
+                    leaves = (v, grid[:, start:end].requires_grad_(needs[1]),
+                              w[:, :, start:end].requires_grad_(needs[2]))
+                    out = _sample_level(*leaves, heads)
+                    got = iter(torch.autograd.grad(out, [t for t in leaves if t.requires_grad], grad[:, start:end]))
+                    if needs[0]:
+                        grad_v = next(got) if grad_v is None else grad_v.add_(next(got))
+                    if needs[1]:
+                        grad_grid[:, level, start:end] = next(got)
+                    if needs[2]:
+                        grad_weights[:, level, :, start:end] = next(got)
+                if grad_value is not None:  # [B * heads, d, h, w] -> this level's rows of [B, S, heads, d]
+                    rows = grad_value[:, offsets[level]:offsets[level + 1]]
+                    rows.copy_(grad_v.view(b, heads, -1, rows.shape[1]).permute(0, 3, 1, 2))
+        return (grad_value,
+                None if grad_grid is None else grad_grid.mul_(2).view(b, heads, levels, q, points, 2)
+                .permute(0, 3, 1, 2, 4, 5),
+                None if grad_weights is None else grad_weights.view(b, heads, levels, q, points).permute(0, 3, 1, 2, 4),
+                None, None)
 
 
 class MultiScaleDeformableAttention(nn.Module):
