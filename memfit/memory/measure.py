@@ -103,6 +103,7 @@ class _LiveStorages(TorchDispatchMode):
         self._orig_resize: Any = None
         self._orig_propagate: Any = None
         self.metadata_only = 0  # > 0 while DTensor computes an output's shape on stand-in tensors
+        self.observer: Callable[[Any, Any, Any, Any], None] | None = None  # sees every counted operator
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def add(self, st: torch.UntypedStorage, category: str, retroactive: bool = False) -> None:
@@ -228,6 +229,8 @@ class _LiveStorages(TorchDispatchMode):
                 if id(st) not in self.live:
                     self.add(st, "inputs", retroactive=True)
         out = func(*args, **(kwargs or {}))
+        if own and self.observer is not None:
+            self.observer(func, args, kwargs, out)
         if own:
             if comm:
                 self._communication(storages(out))
@@ -266,7 +269,8 @@ class MemoryTracker:
     state; without them everything counts as activations, communication or inputs. ``device``
     defaults to the model's parameter device (else CPU); CUDA uses the allocator's peak, any other
     device (CPU, meta, fake tensors under ``FakeTensorMode``) the live-storage tracker described in
-    the module docstring. After the block: ``peak_bytes``, ``breakdown`` (bytes per category at the
+    the module docstring; there ``observer(func, args, kwargs, out)`` is called for every operator it
+    counts (the planner counts FLOPs with it). After the block: ``peak_bytes``, ``breakdown`` (bytes per category at the
     peak, summing to ``peak_bytes``) and ``report()``.
     """
 
@@ -275,8 +279,10 @@ class MemoryTracker:
         model: nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         device: torch.device | str | None = None,
+        observer: Callable[[Any, Any, Any, Any], None] | None = None,
     ) -> None:
         self.model = model
+        self.observer = observer
         # ZeRO-1's ZeroRedundancyOptimizer steps a local optimizer over this rank's shard, which holds the state.
         self.optimizer = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
         if device is None:
@@ -341,6 +347,7 @@ class MemoryTracker:
         for st in storages(optimizer_state_tensors(self.optimizer) + self._copies(self.optimizer)):
             mode.add(st, "optimizer_state")
         mode.relabel_grads = self._relabel_grads
+        mode.observer = self.observer
         # Global hooks, as MemTracker's: every optimizer's step (also per-parameter optimizers that
         # step inside backward) labels what it allocates as optimizer memory.
         self._handles.append(register_optimizer_step_pre_hook(self._on_step_begin))

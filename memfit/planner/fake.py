@@ -29,7 +29,6 @@ import torch.distributed as tdist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.errors import ConfigError
 from memfit.memory.measure import MemoryTracker
@@ -96,11 +95,12 @@ def fake_process_group(world_size: int) -> Iterator[None]:
         tdist.destroy_process_group()
 
 
-class _OpCounter(TorchDispatchMode):
-    """Counts operators, FLOPs (torch.utils.flop_counter's formulas) and collective bytes by kind."""
+class _OpCounter:
+    """Counts operators, FLOPs (torch.utils.flop_counter's formulas) and collective bytes by kind, as the
+    tracker's observer: it sees the operators the tracker counts (local tensors, not DTensor's wrappers
+    or its shape propagation), with no dispatch layer of its own."""
 
     def __init__(self) -> None:
-        super().__init__()
         from torch.utils.flop_counter import flop_registry
 
         self.registry = flop_registry
@@ -118,34 +118,30 @@ class _OpCounter(TorchDispatchMode):
     def __enter__(self) -> _OpCounter:
         self._handles = [register_optimizer_step_pre_hook(lambda *a: self._step(1)),
                          register_optimizer_step_post_hook(lambda *a: self._step(-1))]
-        return super().__enter__()
+        return self
 
     def __exit__(self, *exc: Any) -> None:
         for h in self._handles:
             h.remove()
-        super().__exit__(*exc)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+    def __call__(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         if not self.counting:
-            return out
-        packet = func._overloadpacket
+            return
         if func.namespace not in ("c10d", "_c10d_functional"):
             if not self.in_step:
                 self.ops += 1
+                packet = func._overloadpacket
                 if packet in self.registry:
-                    self.flops += self.registry[packet](*args, **kwargs, out_val=out)
+                    self.flops += self.registry[packet](*args, **(kwargs or {}), out_val=out)
                 elif isinstance(out, torch.Tensor) and func not in _VIEWS:
                     self.written += out.numel() * out.element_size()
-        else:
-            name = func.__name__
-            kind = next((k for k, names in (("gather", _GATHER), ("reduce", _REDUCE), ("broadcast", _BROADCAST))
-                         if any(n in name for n in names)), None)
-            if kind is not None:
-                tensors = [t for t in torch.utils._pytree.tree_leaves((args, out)) if isinstance(t, torch.Tensor)]
-                self.comm[kind] += max((t.numel() * t.element_size() for t in tensors), default=0)
-        return out
+            return
+        name = func.__name__
+        kind = next((k for k, names in (("gather", _GATHER), ("reduce", _REDUCE), ("broadcast", _BROADCAST))
+                     if any(n in name for n in names)), None)
+        if kind is not None:
+            tensors = [t for t in torch.utils._pytree.tree_leaves((args, out)) if isinstance(t, torch.Tensor)]
+            self.comm[kind] += max((t.numel() * t.element_size() for t in tensors), default=0)
 
 
 class _Phases:
@@ -288,7 +284,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
         # window cut short by the end of training would step the optimizer).
         wrapper.initialize_count_status(model, 0, micro_steps if full else 2)
         counter = _OpCounter()
-        with MemoryTracker(model, wrapper.optimizer) as tracker, counter, cuda_autocast_on_cpu(cuda):
+        with counter, MemoryTracker(model, wrapper.optimizer, observer=counter) as tracker, cuda_autocast_on_cpu(cuda):
             phases = _Phases(tracker)
             for i in range(micro_steps):
                 counter.counting = (i == micro_steps - 1) if not full else i >= micro_steps - counts
