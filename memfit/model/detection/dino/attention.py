@@ -46,8 +46,9 @@ def multi_scale_deformable_attn(value: Tensor, spatial_shapes: list[tuple[int, i
 # DINO (256 channels, 4 points) at any image size, so going level by level already keeps the sampling
 # below that layer's own backward; the chunks bound it in absolute terms too (~3 x 256 MiB held in the
 # backward) for larger Q, more points or wider heads. DINO Swin-L at 2 x 1344 x 800 (~89k queries) then
-# samples a level in 3 calls of 22M elements each: far more work per call than a kernel launch costs,
-# and few calls (the planner's fake step of that model runs ~15% more operators than with one a level).
+# samples a level in 3 calls of up to 67M elements: far more work per call than a kernel launch costs,
+# and few calls (the planner's fake step of that model runs ~15% more operators than when it sampled all
+# levels in one piece; 2**25 would double the calls and the fake step's time in the op).
 CHUNK_ELEMENTS = 2**26
 
 
@@ -100,9 +101,10 @@ class _SampleAndWeigh(torch.autograd.Function):
     levels' samples, ``[B * heads, d, Q, levels * points]`` in fp32: 3.4 GiB per encoder layer of DINO
     Swin-L at 2 x 1344 x 800. Sampling all levels at once, as this op did, held three such tensors together
     (the samples, their stack, the product with the weights; in backward the stack and that product's two
-    gradients): 10.3 GiB in every encoder layer's forward and backward recompute, which made the peak of
-    the planner's fake DINO Swin-L step (fp32: 47.3 GiB; 43.2 GiB now, with the peak in the last encoder
-    layer's feed-forward backward). Now the op holds ~1.2 GiB beside its inputs, output and gradients."""
+    gradients): 10.3 GiB in every encoder layer's forward and backward recompute, the peak of the planner's
+    fake DINO Swin-L step (docs/detection.md's row 1, fp32: 47.3 GiB then, 43.3 GiB now, where the peak is
+    an encoder layer's feed-forward backward). Now the op holds ~1.2 GiB beside its inputs, output and
+    gradients (one level's map and its gradient, ~3 chunks of samples)."""
 
     @staticmethod
     def forward(ctx: Any, value: Tensor, locations: Tensor, weights: Tensor,
