@@ -214,3 +214,23 @@ def test_channel_mapper_extra_level_and_mmdetection_parameter_names():
     assert "convs.0.conv.bias" not in names  # no bias before a norm (ConvModule's bias='auto')
     with pytest.raises(ConfigError, match="act_cfg"):
         ChannelMapper([8], 16, act_cfg=dict(type="GELU"))
+
+
+def test_ffn_under_selective_checkpointing_equals_plain():
+    """Selective checkpointing saves the Linear's output: the FFN's ReLU must not overwrite it in place
+    (torch refuses the recompute then), and the gradients are those without checkpointing."""
+    from memfit.memory.checkpointing import apply_activation_checkpointing
+    from memfit.model.detection.dino.attention import FFN
+
+    torch.manual_seed(0)
+    plain = FFN(16, 64, act_cfg=dict(type="ReLU", inplace=True))
+    checkpointed = FFN(16, 64, act_cfg=dict(type="ReLU", inplace=True))
+    checkpointed.load_state_dict(plain.state_dict())
+    apply_activation_checkpointing(checkpointed, dict(types=["FFN"], selective=True))
+    x = torch.randn(2, 5, 16)
+    grads = []
+    for model in (plain, checkpointed):
+        model(x).square().sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

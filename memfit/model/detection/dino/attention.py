@@ -257,8 +257,11 @@ class FFN(nn.Module):
         if not add_identity:
             raise ConfigError("add_identity=False is not supported: DINO's layers add the identity")
         self.embed_dims = embed_dims
+        # ReLU out of place, whatever act_cfg's inplace says (same values): in place it writes into the Linear's
+        # output, which selective checkpointing saves (torch then refuses the recompute: "cached tensor mutated")
+        # and of which autograd makes two extra copies in the backward.
         self.layers = nn.Sequential(
-            nn.Sequential(nn.Linear(embed_dims, feedforward_channels), nn.ReLU(inplace=True), nn.Dropout(ffn_drop)),
+            nn.Sequential(nn.Linear(embed_dims, feedforward_channels), nn.ReLU(), nn.Dropout(ffn_drop)),
             nn.Linear(feedforward_channels, embed_dims), nn.Dropout(ffn_drop))
 
     def forward(self, x: Tensor) -> Tensor:
