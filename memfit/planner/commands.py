@@ -46,7 +46,7 @@ def plan_command(args: Any, cfg: dict) -> int:
     if shown < len(pred.results):
         print(f"({shown} fastest of {len(pred.results)} plans; --all shows every one)")
     print(summary(pred))
-    print(f"planned in {pred.seconds:.1f} s on fake tensors; peak = "
+    print(f"planned in {pred.seconds:.1f} s ({pred.fake_steps} fake steps); peak = "
           + ("reserved + CUDA context + NCCL buffers (see docs/planner.md)" if device.cuda else "live tensor bytes"))
     work = Path(cfg["work_dir"])
     png = write_png(pred, args.png or work / "plan.png")

@@ -64,6 +64,7 @@ class Prediction:
     recommended: int | None
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    fake_steps: int = 0  # distinct fake steps run
 
     def to_json(self) -> dict[str, Any]:
         """The ``--json`` document (exactly these keys; ``recommended`` indexes ``plans``)."""
@@ -182,7 +183,8 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
     order = sorted(range(len(results)), key=lambda i: (results[i].seconds, results[i].peak_bytes))
     index = {old: new for new, old in enumerate(order)}
     return Prediction(device, world_size, budget, [results[i] for i in order],
-                      index.get(recommended) if recommended is not None else None, time.perf_counter() - start)
+                      index.get(recommended) if recommended is not None else None, time.perf_counter() - start,
+                      fake_steps=len(runs.cache))
 
 
 def _half(plan: Plan) -> str:
