@@ -102,9 +102,10 @@ class _SampleAndWeigh(torch.autograd.Function):
     Swin-L at 2 x 1344 x 800. Sampling all levels at once, as this op did, held three such tensors together
     (the samples, their stack, the product with the weights; in backward the stack and that product's two
     gradients): 10.3 GiB in every encoder layer's forward and backward recompute, the peak of the planner's
-    fake DINO Swin-L step (docs/detection.md's row 1, fp32: 47.3 GiB then, 43.3 GiB now, where the peak is
-    an encoder layer's feed-forward backward). Now the op holds ~1.2 GiB beside its inputs, output and
-    gradients (one level's map and its gradient, ~3 chunks of samples)."""
+    fake DINO Swin-L step (docs/detection.md's row 1, fp32: 47.3 GiB then, 43.3 GiB after, where the peak is
+    an encoder layer's feed-forward backward; 40.8 GiB with that layer's ReLU out of place). Now the op
+    holds ~1.2 GiB beside its inputs, output and gradients (one level's map and its gradient, ~3 chunks of
+    samples)."""
 
     @staticmethod
     def forward(ctx: Any, value: Tensor, locations: Tensor, weights: Tensor,
