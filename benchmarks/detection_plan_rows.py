@@ -15,7 +15,6 @@ predicted step time relative to row 1 beside the seed's iteration times.
 from __future__ import annotations
 
 import argparse
-import csv
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from memfit.config import Config, parse_cfg_options
 from memfit.data import write_shapes_coco
 from memfit.planner.devices import gpu
 from memfit.planner.predict import predict
+from memfit.planner.report import write_csv
 
 CONFIG = Path(__file__).parents[1] / "configs" / "detection" / "dino-5scale_swin-l_8xb2-12e_coco.py"
 # MMEngine logs max_memory_allocated / 2**20 as "memory" (MB), so the seed's "GB" are GiB.
@@ -103,13 +103,7 @@ def main() -> None:
         err = 100 * (o["allocated_gb"] - o["seed_gb"]) / o["seed_gb"]
         print(f"| {o['id']} | {' | '.join(on)} | {o['seed_gb']} ({o['gpu']}) | {o['allocated_gb']:.1f} | {err:+.0f}% "
               f"| {o['reserved_gb']:.1f} | {o['seed_s'] / base['seed_s']:.2f} | {o['seconds'] / base['seconds']:.2f} |")
-    path = Path(args.out).with_suffix(".csv")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(out[0]))
-        writer.writeheader()
-        writer.writerows(out)
-    print(f"\nwrote {path}")
+    print(f"\nwrote {write_csv(out, Path(args.out).with_suffix('.csv'))}")
 
 
 if __name__ == "__main__":

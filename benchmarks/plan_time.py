@@ -17,7 +17,6 @@ Prints a Markdown table and writes ``benchmarks/results/plan_time.csv``.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import resource
 import sys
@@ -55,6 +54,7 @@ def main() -> None:
     from memfit.data import write_shapes_coco
     from memfit.planner.devices import gpu
     from memfit.planner.predict import predict
+    from memfit.planner.report import write_csv
     from memfit.planner.runs import workers
 
     rows = []
@@ -75,13 +75,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['workload']} | {r['target']} | {r['plans']} | {r['fake_steps']} | {r['wall_s']} "
               f"| {r['cpu_s']} | {r['workers']} |")
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"\nwrote {path}")
+    print(f"\nwrote {write_csv(rows, args.out)}")
 
 
 if __name__ == "__main__":
