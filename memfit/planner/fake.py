@@ -216,6 +216,22 @@ def _materialise(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
     return model
 
 
+def measured_optim_wrapper(optim_cfg: Any, full: bool) -> Any:
+    """The ``optim_wrapper`` config as :func:`measure_step` runs it (a shallow copy when it changes).
+
+    fp16 holds the same bytes as bf16, but GradScaler.step reads found_inf on the host (.item()), which
+    fake tensors cannot answer: fp16 is measured as bf16 (the scaler's state is a few scalars). A
+    forward/backward run (not ``full``) is the first micro-step of two: backward without a step."""
+    if not isinstance(optim_cfg, dict):
+        return optim_cfg
+    optim_cfg = dict(optim_cfg)
+    if str(optim_cfg.get("dtype", "")).removeprefix("torch.") == "float16":
+        optim_cfg["dtype"] = "bfloat16"
+    if not full:
+        optim_cfg["accumulative_counts"] = 2
+    return optim_cfg
+
+
 def first_batch(loader_cfg: dict) -> Any:
     """One real batch from the train dataloader config (no workers, one rank)."""
     from memfit.data import build_dataloader
@@ -264,13 +280,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
         batch = first_batch(cfg["train_dataloader"])
     model = copy.deepcopy(meta_model) if meta_model is not None else build_meta_model(cfg["model"])
     techniques = technique_cfg(cfg)
-    optim_cfg = copy.deepcopy(cfg["optim_wrapper"])
-    if isinstance(optim_cfg, dict) and "float16" == str(optim_cfg.get("dtype", "")).removeprefix("torch."):
-        # fp16 holds the same bytes as bf16, but GradScaler.step reads found_inf on the host (.item()),
-        # which fake tensors cannot answer: measure the bf16 step (the scaler's state is a few scalars).
-        optim_cfg["dtype"] = "bfloat16"
-    if not full and isinstance(optim_cfg, dict):
-        optim_cfg["accumulative_counts"] = 2  # one micro-step of two: backward without a step
+    optim_cfg = measured_optim_wrapper(copy.deepcopy(cfg["optim_wrapper"]), full)
     optim_cfg = scale_lr_cfg(optim_cfg, cfg.get("auto_scale_lr"), lambda: cfg["train_dataloader"]["batch_size"] * world)
     counts = optim_cfg.get("accumulative_counts", 1) if isinstance(optim_cfg, dict) else 1
     with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:

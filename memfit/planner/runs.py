@@ -17,7 +17,14 @@ import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
-from memfit.planner.fake import Phase, StepMeasurement, fake_process_group, first_batch, measure_step
+from memfit.planner.fake import (
+    Phase,
+    StepMeasurement,
+    fake_process_group,
+    first_batch,
+    measure_step,
+    measured_optim_wrapper,
+)
 from memfit.planner.space import ModelFacts, Plan, technique_cfg
 
 _WORKER: dict[str, Any] = {}  # the forked worker's meta model, world size and batches
@@ -66,15 +73,9 @@ def _canonical(cfg: dict, full: bool, steps: int) -> str:
     for key in ("cfg", *TECHNIQUE_KEYS):
         c.pop(key, None)
     c["cfg"] = techniques
-    ow = c.get("optim_wrapper")
+    ow = measured_optim_wrapper(c.get("optim_wrapper"), full)
     if isinstance(ow, dict):
-        ow = dict(ow)
-        if str(ow.get("dtype", "")).removeprefix("torch.") == "float16":
-            ow["dtype"] = "bfloat16"  # measure_step runs fp16 as bf16
-        ow.setdefault("accumulative_counts", 1)
-        if not full:
-            ow["accumulative_counts"] = 2  # measure_step's forward/backward run: one micro-step of two
-        c["optim_wrapper"] = ow
+        c["optim_wrapper"] = {"accumulative_counts": 1, **ow}
     strategy = c.get("strategy")
     if isinstance(strategy, dict) and strategy.get("type") == "FSDPStrategy":
         # On CPU (fake) tensors FSDP's CPU offload moves nothing: the step holds what the same step without it
