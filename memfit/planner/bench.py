@@ -1,7 +1,8 @@
 """``memfit bench``: measure plans on this device, beside the planner's prediction of each.
 
 Each plan gets a fresh model (seed 0) set up by the runner's own code (:func:`memfit.connector.setup`),
-one warm-up optimizer step (so the optimizer state exists, as in every later step), one step under
+warm-up optimizer steps until the optimizer state exists, as in every later step (fp16's loss scaler
+skips the first steps of a model whose gradients overflow at its initial scale, DINO's), one step under
 memfit's tracker (CPU: live tensor storage; CUDA: ``max_memory_allocated``, and ``memory_reserved``
 beside it) and ``steps`` timed steps whose median is the step time. Times are reported as a ratio to
 the first plan measured in the same run. Under torchrun every rank measures and rank 0 reports its own.
@@ -18,8 +19,11 @@ from typing import Any
 import torch
 
 from memfit.memory.measure import MemoryTracker
+from memfit.memory.storages import optimizer_state_tensors
 from memfit.planner.fake import first_batch
 from memfit.planner.space import ModelFacts, Plan, technique_cfg
+
+WARMUP_STEPS = 8  # GradScaler halves its scale at each skipped step: 2**16 -> 2**8 at most
 
 
 @dataclass
@@ -61,13 +65,16 @@ def measure_plan(cfg: dict, plan: Plan, facts: ModelFacts, steps: int = 3, batch
     batch = batch if batch is not None else first_batch(run_cfg["train_dataloader"])
     k = plan.accumulative_counts
     device = strategy.device
-    wrapper.initialize_count_status(model, 0, (steps + 2) * k)
+    wrapper.initialize_count_status(model, 0, (steps + WARMUP_STEPS + 1) * k)
 
     def step() -> None:
         for _ in range(k):
             model.train_step(batch, optim_wrapper=wrapper)
 
-    step()  # warm-up: optimizer state
+    for _ in range(WARMUP_STEPS):  # until the optimizer state exists (fp16's scaler may skip steps)
+        step()
+        if getattr(wrapper, "scaler", None) is None or optimizer_state_tensors(wrapper.optimizer):
+            break
     _sync(device)
     with MemoryTracker(model, wrapper.optimizer, device=device) as tracker:
         step()
