@@ -68,6 +68,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memfit.memory.caching_allocator import CachingAllocatorModel
 from memfit.memory.storages import fsdp_params, optimizer_state_tensors, stepped_params, storages
 
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "communication", "inputs")
@@ -104,6 +105,7 @@ class _LiveStorages(TorchDispatchMode):
         self._orig_propagate: Any = None
         self.metadata_only = 0  # > 0 while DTensor computes an output's shape on stand-in tensors
         self.observer: Callable[[Any, Any, Any, Any], None] | None = None  # sees every counted operator
+        self.allocator: CachingAllocatorModel | None = None  # replays every allocation and free
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def add(self, st: torch.UntypedStorage, category: str, retroactive: bool = False) -> None:
@@ -116,8 +118,13 @@ class _LiveStorages(TorchDispatchMode):
                 self.current[entry[2]] += n - entry[1]
                 self.total += n - entry[1]
                 entry[1] = n
+                if self.allocator is not None:  # a new block, then the old one freed
+                    self.allocator.free(key)
+                    self.allocator.malloc(key, n)
             return
         n = st.nbytes()
+        if self.allocator is not None:
+            self.allocator.malloc(key, n)
         ref = weakref.ref(st, lambda r, key=key: self._free(key, r))
         self.serial += 1
         self.live[key] = [ref, n, category, 0 if retroactive else self.serial]
@@ -151,6 +158,8 @@ class _LiveStorages(TorchDispatchMode):
         entry = self.live.get(key)
         if entry is not None and entry[0] is ref:
             del self.live[key]
+            if self.allocator is not None:
+                self.allocator.free(key)
             self.current[entry[2]] -= entry[1]
             self.total -= entry[1]
 
@@ -270,8 +279,8 @@ class MemoryTracker:
     defaults to the model's parameter device (else CPU); CUDA uses the allocator's peak, any other
     device (CPU, meta, fake tensors under ``FakeTensorMode``) the live-storage tracker described in
     the module docstring; there ``observer(func, args, kwargs, out)`` is called for every operator it
-    counts (the planner counts FLOPs with it). After the block: ``peak_bytes``, ``breakdown`` (bytes per category at the
-    peak, summing to ``peak_bytes``) and ``report()``.
+    counts (the planner counts FLOPs with it), and ``allocator`` replays every allocation and free.
+    After the block: ``peak_bytes``, ``breakdown`` (per category at the peak) and ``report()``.
     """
 
     def __init__(
@@ -280,9 +289,11 @@ class MemoryTracker:
         optimizer: torch.optim.Optimizer | None = None,
         device: torch.device | str | None = None,
         observer: Callable[[Any, Any, Any, Any], None] | None = None,
+        allocator: CachingAllocatorModel | None = None,
     ) -> None:
         self.model = model
         self.observer = observer
+        self.allocator = allocator
         # ZeRO-1's ZeroRedundancyOptimizer steps a local optimizer over this rank's shard, which holds the state.
         self.optimizer = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
         if device is None:
@@ -337,6 +348,7 @@ class MemoryTracker:
             torch.cuda.reset_peak_memory_stats(self.device)
             return self
         mode = self._mode = _LiveStorages()
+        mode.allocator = self.allocator
         if self.model is not None:
             for st in storages(self._param_list):
                 mode.add(st, "parameters")
