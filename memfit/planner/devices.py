@@ -3,9 +3,9 @@ this process runs on (its throughput measured in a few milliseconds), plus what 
 beyond the tensors the fake step shows.
 
 The fake step runs on CPU tensors, so the CUDA figures add what CPU tensors cannot show (module
-constants below, each with its source): the caching allocator's rounding and segment slack
-("reserved" beyond "allocated"), the cuBLAS workspace (allocated through the caching allocator), the
-CUDA context and NCCL's buffers (outside the allocator: in nvidia-smi, not in ``memory_reserved``).
+constants below, each with its source): the cuBLAS workspaces (allocated through the caching
+allocator), the CUDA context and NCCL's buffers (outside the allocator: in nvidia-smi, not in
+``memory_reserved``).
 """
 
 from __future__ import annotations
@@ -21,16 +21,18 @@ from memfit.errors import ConfigError
 GiB = 2**30
 MiB = 2**20
 
-# CUDA extras. cuBLAS: torch's default workspace is 4 MiB x 8 chunks on Hopper (":4096:8") and less on
-# older GPUs; 32 MiB covers both. Context: 500-600 MiB for CUDA 12 with lazy module loading on
-# A100/H100 (nvidia-smi minus memory_reserved). NCCL: its channel buffers (4 MiB NCCL_BUFFSIZE x 2
-# x channels x peers), about 250-400 MiB per rank for 8 GPUs. Allocator slack: reserved / allocated
-# runs 1.02-1.15 on vision models with the default allocator (every allocation rounded up to 512 bytes,
-# carved from 2 MiB or 20 MiB segments); 8% is used (expandable_segments=True brings it near 1.0).
-CUBLAS_WORKSPACE = 32 * MiB
-CUDA_CONTEXT = 560 * MiB
+# CUDA extras, measured on an H100 (torch 2.11, CUDA 13; benchmarks/gpu_calibration.py). cuBLAS: each
+# thread that runs matmuls gets a 32 MiB workspace (torch's default on Hopper, ":4096:8"; less on older
+# GPUs) and a 1 MiB cuBLASLt one, through the caching allocator: the forward's thread and autograd's
+# backward thread, so two of each. Context: what the device holds outside the allocator while training
+# (mem_get_info's used minus memory_reserved), 767-775 MiB for Swin-L, ViT and DINO (621 MiB before the
+# first kernel). NCCL: its channel buffers (4 MiB NCCL_BUFFSIZE x 2 x channels x peers), about 250-400
+# MiB per rank for 8 GPUs (NCCL's docs; one GPU cannot measure it). The allocator's rounding and segment
+# slack are simulated (memfit.memory.caching_allocator), not a constant.
+CUBLAS_BLOCKS = (32 * MiB, 1 * MiB, 32 * MiB, 1 * MiB)
+CUBLAS_WORKSPACE = sum(CUBLAS_BLOCKS)
+CUDA_CONTEXT = 780 * MiB
 NCCL_BUFFERS = 320 * MiB
-ALLOCATOR_SLACK = 0.08
 
 
 @dataclass(frozen=True)

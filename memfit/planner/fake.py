@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,8 +34,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from memfit.errors import ConfigError
+from memfit.memory.caching_allocator import CachingAllocatorModel
 from memfit.memory.measure import MemoryTracker
 from memfit.memory.storages import optimizer_state_tensors, storages
+from memfit.planner.devices import CUBLAS_BLOCKS
 from memfit.planner.space import technique_cfg
 
 # Collectives by kind: an all-gather's traffic is its output, a reduce-scatter's its input.
@@ -69,6 +74,9 @@ class StepMeasurement:
     written: int = 0
     comm: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    # CUDA targets: the caching allocator's peaks, simulated over the run (cuBLAS workspaces included).
+    cuda_allocated: int = 0
+    cuda_reserved: int = 0
 
 
 @contextlib.contextmanager
@@ -184,6 +192,9 @@ class _Phases:
         return max(getattr(self, "overall", Phase()), tail, key=lambda p: p.peak)
 
 
+DDP_BUCKET = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb
+
+
 def _ddp_bucket_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
@@ -294,11 +305,17 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
         # window cut short by the end of training would step the optimizer).
         wrapper.initialize_count_status(model, 0, micro_steps if full else 2)
         counter = _OpCounter()
-        with counter, MemoryTracker(model, wrapper.optimizer, observer=counter) as tracker, cuda_autocast_on_cpu(cuda):
+        allocator = CachingAllocatorModel() if cuda else None
+        with counter, MemoryTracker(model, wrapper.optimizer, observer=counter, allocator=allocator) as tracker, \
+                cuda_autocast_on_cpu(cuda):
+            if allocator is not None:  # allocated before the step's first kernels: workspaces, DDP's buckets
+                for i, n in enumerate(CUBLAS_BLOCKS + _chunks(buckets, DDP_BUCKET)):
+                    allocator.malloc(("before the step", i), n)
             phases = _Phases(tracker)
-            for i in range(micro_steps):
-                counter.counting = (i == micro_steps - 1) if not full else i >= micro_steps - counts
-                model.train_step(batch, optim_wrapper=wrapper)
+            with _data_dependent_is_config_error(cfg):
+                for i in range(micro_steps):
+                    counter.counting = (i == micro_steps - 1) if not full else i >= micro_steps - counts
+                    model.train_step(batch, optim_wrapper=wrapper)
             overall = phases.close()
         if full and steps == 1:
             # Every later forward/backward runs beside the optimizer state the first step created (and
@@ -316,4 +333,29 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
                            forward_backward=phases.fb if full else overall, optimizer=phases.opt,
                            flops=flops_per_micro, ops=counter.ops // (counts if full else 1),
                            written=counter.written // (counts if full else 1),
-                           comm=dict(counter.comm), seconds=time.perf_counter() - start)
+                           comm=dict(counter.comm), seconds=time.perf_counter() - start,
+                           cuda_allocated=allocator.peak_allocated if allocator else 0,
+                           cuda_reserved=allocator.peak_reserved if allocator else 0)
+
+
+def _chunks(total: int, size: int) -> tuple[int, ...]:
+    return tuple(min(size, total - i) for i in range(0, total, size))
+
+
+@contextlib.contextmanager
+def _data_dependent_is_config_error(cfg: dict) -> Iterator[None]:
+    """A step that reads tensor values (``.item()``, ``.tolist()``, ``nonzero`` shapes) cannot run on fake
+    tensors, which hold none: one line naming the model and where it read, instead of torch's exception."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    try:
+        yield
+    except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+        skip = (f"{os.sep}torch{os.sep}", f"memfit{os.sep}memory{os.sep}", f"memfit{os.sep}planner{os.sep}")
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if not any(s in f.filename for s in skip)]
+        where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+        model = cfg["model"].get("type", "the model") if isinstance(cfg.get("model"), dict) else "the model"
+        raise ConfigError(f"{model}'s train step reads tensor values on the host ({exc}{where}), which the planner's "
+                          "fake tensors do not have: it cannot be predicted without the GPU; measure it with "
+                          "`memfit bench` on the device, or keep .item()/.tolist()/data-dependent shapes out of "
+                          "the step") from None

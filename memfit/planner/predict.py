@@ -80,14 +80,18 @@ class Prediction:
 
 
 def device_figures(tracked: int, breakdown: dict[str, int], device: Device, world_size: int,
-                   ) -> tuple[int, dict[str, int], int, int]:
-    """(peak that must fit, breakdown, allocated, reserved) on ``device`` for a tracked CPU peak."""
+                   run: StepMeasurement) -> tuple[int, dict[str, int], int, int]:
+    """(peak that must fit, breakdown, allocated, reserved) on ``device`` for a tracked CPU peak. On CUDA,
+    ``run``'s simulated caching allocator says what it held beyond ``run``'s own tracked peak: the cuBLAS
+    workspaces and the rounding of blocks ("allocated"), then the segments' free space ("reserved")."""
     out = dict(breakdown)
     if not device.cuda:
         return tracked, out, tracked, tracked
+    run_allocated = run.cuda_allocated or run.peak + devices.CUBLAS_WORKSPACE
     out["workspace"] = devices.CUBLAS_WORKSPACE
-    allocated = tracked + devices.CUBLAS_WORKSPACE
-    out["allocator_slack"] = int(allocated * devices.ALLOCATOR_SLACK)
+    out["allocator_rounding"] = max(0, run_allocated - run.peak - devices.CUBLAS_WORKSPACE)
+    out["allocator_slack"] = max(0, run.cuda_reserved - run_allocated)
+    allocated = tracked + out["workspace"] + out["allocator_rounding"]
     reserved = allocated + out["allocator_slack"]
     out["cuda_context"] = devices.CUDA_CONTEXT
     out["nccl"] = devices.NCCL_BUFFERS if world_size > 1 else 0
@@ -210,7 +214,9 @@ def _result(plan: Plan, step: StepMeasurement, micro: StepMeasurement, device: D
     if plan.offload == "params" and device.cuda:
         phases = [(sum(_offloaded(b).values()), _offloaded(b)) for _, b in phases]
     tracked, breakdown = max(phases, key=lambda pb: pb[0])
-    peak, breakdown, allocated, reserved = device_figures(tracked, breakdown, device, world_size)
+    # The allocator's rounding and slack: the plan's own step's, else its activations' forward/backward's.
+    run = step if source == "measured" else micro
+    peak, breakdown, allocated, reserved = device_figures(tracked, breakdown, device, world_size, run)
     seconds = step_seconds(plan, micro, step, _state(step), device, world_size, shard_counts)
     return PlanResult(plan, peak, breakdown, allocated, reserved, seconds, source)
 

@@ -1,12 +1,19 @@
 """What a CUDA target changes in the step the planner runs: torch's optimizers step with ``foreach``
-on CUDA tensors (a parameter-sized temporary while they step), with the per-tensor loop on CPU ones."""
+on CUDA tensors (a parameter-sized temporary while they step), with the per-tensor loop on CPU ones;
+the caching allocator is replayed; a step that reads tensor values is one clear error."""
 
+import pytest
 import torch
 from torch import nn
 
-from memfit.planner.devices import gpu, this_cpu
+from memfit.errors import ConfigError
+from memfit.model import BaseModel
+from memfit.planner.devices import CUBLAS_WORKSPACE, CUDA_CONTEXT, MiB, gpu, this_cpu
 from memfit.planner.fake import fake_process_group, measure_step
-from memfit.planner.predict import on_target
+from memfit.planner.predict import on_target, predict
+
+_LOADER = dict(batch_size=4, num_workers=0, dataset=dict(type="ShapesDataset", image_size=16, num_classes=2,
+                                                         num_samples=8))
 
 
 def _cfg(**optimizer):
@@ -81,3 +88,50 @@ def test_cuda_targets_cast_as_cuda_autocast():
     # output is cast to bf16 for fc2 (the 2 B CPU keeps too) and freed: 2 B per LayerNorm element more.
     assert cuda.breakdown["activations"] - cpu.breakdown["activations"] >= 2 * rows * 256
     assert cuda.breakdown["parameters"] == cpu.breakdown["parameters"]
+
+
+class _Chain(BaseModel):
+    """Linear layers whose activations are 1.5 MiB each: the caching allocator carves them from 20 MiB
+    segments; ``item`` reads a value in the step (a host sync)."""
+
+    def __init__(self, item: bool = False):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(768, 768) for _ in range(6)])
+        self.item = item
+
+    def forward(self, x=None, mode="tensor", img=None, **_):
+        out = self.layers((x if x is not None else img).flatten(1).float())  # img: 3 x 16 x 16 = 768
+        if self.item and out.sum().item() > 1e30:
+            out = out * 0
+        return {"loss": out.square().mean()} if mode == "loss" else out
+
+
+def _chain(item: bool = False) -> dict:
+    with torch.device("meta"):
+        model = _Chain(item)
+    return dict(model=model, optim_wrapper=dict(type="OptimWrapper", optimizer=dict(type="AdamW", lr=1e-3)))
+
+
+def test_cuda_targets_replay_the_caching_allocator():
+    """For a CUDA target the fake step's allocations are replayed on the caching allocator's model: the
+    reserved peak is whole segments (2 MiB multiples), above the allocated peak, which holds the cuBLAS
+    workspaces and every block rounded; a CPU target simulates nothing."""
+    batch = (torch.randn(512, 768),)
+    with fake_process_group(1):
+        cuda = measure_step(_chain(), full=True, batch=batch, cuda=True)
+        cpu = measure_step(_chain(), full=True, batch=batch)
+    assert cpu.cuda_allocated == cpu.cuda_reserved == 0
+    assert cuda.cuda_reserved % (2 * MiB) == 0
+    assert cuda.cuda_reserved >= cuda.cuda_allocated >= cuda.peak + CUBLAS_WORKSPACE
+    # The predicted figures of the configured (measured) row are the simulated allocator's.
+    pred = predict({**_chain(), "train_dataloader": _LOADER}, device=gpu("H100"), as_is=True)
+    r = pred.results[0]
+    assert r.reserved % (2 * MiB) == 0 and r.reserved >= r.allocated
+    assert r.breakdown["allocator_slack"] == r.reserved - r.allocated
+    assert r.peak_bytes == r.reserved + CUDA_CONTEXT
+
+
+def test_a_step_that_reads_tensor_values_is_one_clear_error():
+    with fake_process_group(1), pytest.raises(ConfigError, match=r"reads tensor values on the host .*at "
+                                              r"test_target\.py:\d+.*memfit bench"):
+        measure_step(_chain(item=True), full=False, batch=(torch.randn(4, 768),))
