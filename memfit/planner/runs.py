@@ -17,6 +17,8 @@ import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
+import torch
+
 from memfit.planner.fake import (
     Phase,
     StepMeasurement,
@@ -153,7 +155,9 @@ class Runs:
         n = min(workers(), len(pending))
         _WORKER["meta"] = self.meta  # inherited by the forked workers
         try:
-            if n > 1 and "fork" in multiprocessing.get_all_start_methods():
+            # A child forked after this process initialised CUDA (bench, auto-fit on a GPU) fails at its first
+            # CUDA call ("initialization error"), which a strategy's or a precision's setup makes.
+            if n > 1 and "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized():
                 try:
                     self._in_workers(pending, n, bar)
                     return
