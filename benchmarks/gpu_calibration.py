@@ -1,0 +1,271 @@
+"""Calibrate the planner's CUDA figures on a real GPU: predicted vs measured allocated, reserved and
+device memory per plan, and step-time ratios.
+
+Two halves, so the GPU is held only while it measures:
+
+    python benchmarks/gpu_calibration.py measure --out DIR      # on the GPU: one process per case
+    python benchmarks/gpu_calibration.py compare [DIR/measured.json] [--composed] [--out PATH_WITHOUT_SUFFIX]
+
+``measure`` runs each case in a fresh process (so the caching allocator starts empty, as a training
+run's does) with :func:`memfit.planner.bench.measure_plan`: one warm-up optimizer step, one step whose
+``max_memory_allocated``/``max_memory_reserved`` are read, then timed steps. It also reads what the
+device holds outside the allocator (``mem_get_info`` used minus ``memory_reserved``: the CUDA context,
+cuBLAS/cuDNN handles and their kernels) and the cuBLAS workspace. ``compare`` predicts each case for
+the same GPU on fake tensors (no GPU needed) and prints both side by side; by default it reads
+benchmarks/gpu_calibration_h100.json, what an H100 measured (torch 2.11, CUDA 13; docs/planner.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+GIB = 2**30
+MIB = 2**20
+
+SWIN_L = ROOT / "configs" / "swin_l_shapes.py"
+VIT = ROOT / "configs" / "vit_shapes.py"
+FCOS = ROOT / "configs" / "detection" / "fcos_r18_shapes-coco.py"
+# (name, config, --cfg-options, plan words or 'configured'; 'dino:N' configs are the seed table's row N)
+CASES: list[tuple[str, str, list[str], str]] = [
+    ("swin-l fp32", str(SWIN_L), [], "fp32 mb32x1"),
+    ("swin-l fp16", str(SWIN_L), [], "fp16 mb32x1"),
+    ("swin-l bf16", str(SWIN_L), [], "bf16 mb32x1"),
+    ("swin-l bf16 ac:blocks", str(SWIN_L), [], "bf16 ac:blocks mb32x1"),
+    ("swin-l bf16 ac:selective", str(SWIN_L), [], "bf16 ac:selective mb32x1"),
+    ("swin-l fp16 ac:stages", str(SWIN_L), [], "fp16 ac:stages mb32x1"),
+    ("swin-l bf16 mb8x4", str(SWIN_L), [], "bf16 mb8x4"),
+    ("vit-t fp16 (demo)", str(VIT), [], "configured"),
+    ("vit-t fp32 (demo)", str(VIT), [], "fp32 mb32x1"),
+    ("fcos-r18 fp32 (demo)", str(FCOS), [], "configured"),
+    ("fcos-r18 bf16", str(FCOS), [], "bf16 mb8x1"),
+    *[(f"dino swin-l row {i}", f"dino:{i}", [], "configured") for i in (1, 2, 3, 4, 5, 6)],
+]
+
+
+def _config(spec: str, options: list[str], data: Path) -> dict:
+    from memfit.config import Config, parse_cfg_options
+
+    if spec.startswith("dino:"):
+        from detection_plan_rows import ROWS, row_config
+
+        switches = next(r[1] for r in ROWS if r[0] == int(spec[5:]))
+        return row_config(data, switches)
+    cfg = Config.fromfile(spec)
+    if "shapes-coco" in spec:
+        options = [f"data_root={data}/", f"train_dataloader.dataset.data_root={data}/", *options]
+    cfg.merge_from_dict(parse_cfg_options(["train_dataloader.num_workers=0", *options]))
+    return cfg.to_dict()
+
+
+def _plan(cfg: dict, words: str, cuda: bool) -> tuple[Any, Any]:
+    from memfit.planner.commands import parse_plan
+    from memfit.planner.fake import build_meta_model
+    from memfit.planner.space import ModelFacts, configured_plan
+
+    facts = ModelFacts.of(build_meta_model(cfg["model"]))
+    return parse_plan(words, configured_plan(cfg, facts, cuda)), facts
+
+
+def _data(tmp: str) -> Path:
+    from memfit.data import write_shapes_coco
+
+    write_shapes_coco(tmp, num=8, image_size=96, split="train")
+    return Path(tmp)
+
+
+def measure_one(index: int) -> dict:
+    """Measure case ``index`` on this process's GPU."""
+    import torch
+
+    from memfit.planner.bench import measure_plan
+
+    name, spec, options, words = CASES[index]
+    torch.zeros(1, device="cuda")
+    free, total = torch.cuda.mem_get_info()
+    bare = total - free
+    a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    before = torch.cuda.memory_allocated()
+    c = a @ a
+    workspace = torch.cuda.memory_allocated() - before - c.numel() * c.element_size()
+    del a, c
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = _config(spec, options, _data(tmp))
+        plan, facts = _plan(cfg, words, cuda=True)
+        torch.cuda.empty_cache()
+        m = measure_plan(cfg, plan, facts, steps=5)
+    free, total = torch.cuda.mem_get_info()
+    outside = total - free - torch.cuda.memory_reserved()
+    return {"case": name, "plan": plan.name, "device_name": torch.cuda.get_device_name(), "total": total,
+            "allocated": m.peak_bytes, "reserved": m.reserved, "outside_allocator": outside,
+            "context_bare": bare, "cublas_workspace": workspace, "seconds": m.seconds,
+            "breakdown": m.breakdown, "torch": torch.__version__}
+
+
+def workspaces() -> dict:
+    """Bytes the first call of each kernel family leaves allocated beyond its output (cuBLAS/cuBLASLt
+    workspaces, cuDNN's), each in a fresh allocator state of this process, in call order."""
+    import torch
+    import torch.nn.functional as F
+
+    def x(*shape: int, dtype: torch.dtype = torch.float32, grad: bool = False) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=grad)
+
+    calls = {
+        "mm fp32": lambda: x(512, 512) @ x(512, 512),
+        "linear+bias fp32": lambda: F.linear(x(512, 512), x(512, 512), x(512)),
+        "mm bf16": lambda: x(512, 512, dtype=torch.bfloat16) @ x(512, 512, dtype=torch.bfloat16),
+        "linear+bias bf16": lambda: F.linear(*(x(*s, dtype=torch.bfloat16) for s in ((512, 512), (512, 512), (512,)))),
+        "linear fp16 backward": lambda: F.linear(x(512, 512, dtype=torch.half, grad=True),
+                                                 x(512, 512, dtype=torch.half, grad=True)).sum().backward(),
+        "bmm bf16": lambda: torch.bmm(x(8, 256, 64, dtype=torch.bfloat16), x(8, 64, 256, dtype=torch.bfloat16)),
+        "sdpa bf16 backward": lambda: F.scaled_dot_product_attention(
+            *(x(4, 8, 256, 64, dtype=torch.bfloat16, grad=True) for _ in range(3))).sum().backward(),
+        "conv fp32 backward": lambda: F.conv2d(x(8, 64, 56, 56, grad=True), x(64, 64, 3, 3, grad=True),
+                                               padding=1).sum().backward(),
+        "conv bf16 backward": lambda: F.conv2d(x(8, 64, 56, 56, dtype=torch.bfloat16, grad=True),
+                                               x(64, 64, 3, 3, dtype=torch.bfloat16, grad=True),
+                                               padding=1).sum().backward(),
+    }
+    out = {}
+    for name, call in calls.items():
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        result = call()
+        torch.cuda.synchronize()
+        kept = result.numel() * result.element_size() if isinstance(result, torch.Tensor) else 0
+        out[name] = torch.cuda.memory_allocated() - before - kept
+        del result
+    return out
+
+
+def measure(out: Path, only: list[int] | None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for i, case in enumerate(CASES):
+        if only and i not in only:
+            continue
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, __file__, "one", str(i)], capture_output=True, text=True,
+                              timeout=240, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        line = next((x for x in proc.stdout.splitlines()[::-1] if x.startswith("{")), None)
+        if proc.returncode or line is None:
+            print(f"{case[0]}: FAILED rc={proc.returncode}\n{proc.stderr[-3000:]}", flush=True)
+            results.append({"case": case[0], "error": proc.stderr[-3000:]})
+        else:
+            r = json.loads(line)
+            results.append(r)
+            print(f"{r['case']}: allocated {r['allocated'] / GIB:.2f} GiB, reserved {r['reserved'] / GIB:.2f} GiB, "
+                  f"outside allocator {r['outside_allocator'] / MIB:.0f} MiB "
+                  f"(bare context {r['context_bare'] / MIB:.0f}), cuBLAS workspace "
+                  f"{r['cublas_workspace'] / MIB:.1f} MiB, step {r['seconds']:.3f} s "
+                  f"[{time.perf_counter() - start:.0f} s]", flush=True)
+        (out / "measured.json").write_text(json.dumps(results, indent=1))
+
+
+def compare(measured_path: Path, out: Path, composed: bool) -> None:
+    """Each measured case beside its prediction: the plan's own fake step (``--as-is`` on the plan), or
+    with ``composed`` the row of a prediction of every plan of its config (how `memfit plan` makes most)."""
+    from memfit.errors import ConfigError
+    from memfit.planner.devices import GPUS
+    from memfit.planner.predict import predict
+    from memfit.planner.report import write_csv
+
+    measured = [m for m in json.loads(measured_path.read_text()) if "error" not in m]
+    rows, every_plan = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = _data(tmp)
+        for m in measured:
+            name, spec, options, words = next(c for c in CASES if c[0] == m["case"])
+            gpu = next((d for n, d in GPUS.items() if n.split("-")[0] in m["device_name"]), GPUS["H100"])
+            cfg = _config(spec, options, data)
+            plan, facts = _plan(cfg, words, cuda=True)
+            try:
+                if composed:
+                    if spec not in every_plan:
+                        every_plan[spec] = predict(cfg, device=gpu, world_size=1, verify=False).results
+                    r = next((r for r in every_plan[spec] if r.plan == plan), None)
+                    if r is None:
+                        print(f"{name}: {plan.name} is not among the planner's plans", flush=True)
+                        continue
+                else:
+                    r = predict(plan.apply(cfg, facts), device=gpu, world_size=1, as_is=True).results[0]
+            except ConfigError as exc:
+                print(f"{name}: not predicted: {exc}", flush=True)
+                continue
+            device_used = m["reserved"] + m["outside_allocator"]
+            rows.append({"case": name, "gpu": gpu.name, "plan": plan.name, "source": r.source,
+                         "measured_allocated_gib": m["allocated"] / GIB, "predicted_allocated_gib": r.allocated / GIB,
+                         "allocated_err_pct": 100 * (r.allocated - m["allocated"]) / m["allocated"],
+                         "measured_reserved_gib": m["reserved"] / GIB, "predicted_reserved_gib": r.reserved / GIB,
+                         "reserved_err_pct": 100 * (r.reserved - m["reserved"]) / m["reserved"],
+                         "reserved_over_allocated": m["reserved"] / m["allocated"],
+                         "measured_device_gib": device_used / GIB, "predicted_peak_gib": r.peak_bytes / GIB,
+                         "device_err_pct": 100 * (r.peak_bytes - device_used) / device_used,
+                         "outside_allocator_mib": m["outside_allocator"] / MIB,
+                         "measured_step_s": m["seconds"], "predicted_step_s": r.seconds})
+            row = rows[-1]
+            print(f"{name}: allocated {row['measured_allocated_gib']:.2f} vs {row['predicted_allocated_gib']:.2f} GiB "
+                  f"predicted ({row['allocated_err_pct']:+.1f}%), reserved {row['measured_reserved_gib']:.2f} vs "
+                  f"{row['predicted_reserved_gib']:.2f} ({row['reserved_err_pct']:+.1f}%)", flush=True)
+    _table(rows)
+    print(f"wrote {write_csv(rows, out.with_suffix('.csv'))}")
+
+
+def _table(rows: list[dict]) -> None:
+    print("\n| case | plan (source) | allocated GiB meas / pred | err | reserved GiB meas / pred | err "
+          "| reserved/allocated | device GiB meas / pred | err | step s meas | step s pred |")
+    print("|" + "---|" * 11)
+    for r in rows:
+        cells = [r["case"], f"{r['plan']} ({r['source']})"]
+        for what, pred in (("allocated", "allocated"), ("reserved", "reserved"), ("device", "peak")):
+            measured = r["measured_device_gib" if what == "device" else f"measured_{what}_gib"]
+            cells += [f"{measured:.2f} / {r[f'predicted_{pred}_gib']:.2f}", f"{r[f'{what}_err_pct']:+.1f}%"]
+            if what == "reserved":
+                cells.append(f"{r['reserved_over_allocated']:.3f}")
+        cells += [f"{r['measured_step_s']:.3f}", f"{r['predicted_step_s']:.3f}"]
+        print("| " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("measure", help="on a GPU: measure every case")
+    m.add_argument("--out", default="benchmarks/results/gpu_calibration_measured")
+    m.add_argument("--only", default="", help="case indices, e.g. 0,3")
+    sub.add_parser("workspaces", help="on a GPU: what each kernel family's first call keeps allocated")
+    one = sub.add_parser("one")
+    one.add_argument("index", type=int)
+    c = sub.add_parser("compare", help="predict each measured case and print both")
+    c.add_argument("measured", nargs="?", default=str(HERE / "gpu_calibration_h100.json"))
+    c.add_argument("--out", default="benchmarks/results/gpu_calibration")
+    c.add_argument("--composed", action="store_true", help="predict every plan of each config, compare its rows")
+    args = parser.parse_args()
+    if args.cmd == "workspaces":
+        for name, nbytes in workspaces().items():
+            print(f"{name}: {nbytes / MIB:.2f} MiB left allocated beyond the output")
+    elif args.cmd == "one":
+        import logging
+        import warnings
+
+        logging.getLogger("memfit").setLevel(logging.ERROR)
+        warnings.simplefilter("ignore")
+        print(json.dumps(measure_one(args.index)))
+    elif args.cmd == "measure":
+        measure(Path(args.out), [int(i) for i in args.only.split(",") if i])
+    else:
+        compare(Path(args.measured), Path(args.out), args.composed)
+
+
+if __name__ == "__main__":
+    main()
