@@ -36,9 +36,12 @@ def _init_worker(world_size: int) -> None:
     import logging
     import warnings
 
-    import torch
-
     torch.set_num_threads(1)
+    # A child forked from a process that has used CUDA (bench, auto-fit on a GPU; torch.cuda.is_available
+    # alone poisons forks) fails at its first CUDA call. Fake steps run on CPU tensors and need no GPU,
+    # but a strategy's setup asks which device to use: this worker sees none.
+    torch.cuda.is_available = lambda: False
+    torch.cuda.device_count = lambda: 0
     logging.getLogger("memfit").setLevel(logging.ERROR)
     warnings.simplefilter("ignore", UserWarning)
     group = fake_process_group(world_size)
@@ -155,9 +158,7 @@ class Runs:
         n = min(workers(), len(pending))
         _WORKER["meta"] = self.meta  # inherited by the forked workers
         try:
-            # A child forked after this process initialised CUDA (bench, auto-fit on a GPU) fails at its first
-            # CUDA call ("initialization error"), which a strategy's or a precision's setup makes.
-            if n > 1 and "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized():
+            if n > 1 and "fork" in multiprocessing.get_all_start_methods():
                 try:
                     self._in_workers(pending, n, bar)
                     return
