@@ -312,11 +312,13 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
                 for i, n in enumerate(CUBLAS_BLOCKS + _chunks(buckets, DDP_BUCKET)):
                     allocator.malloc(("before the step", i), n)
             phases = _Phases(tracker)
-            with _data_dependent_is_config_error(cfg):
-                for i in range(micro_steps):
-                    counter.counting = (i == micro_steps - 1) if not full else i >= micro_steps - counts
-                    model.train_step(batch, optim_wrapper=wrapper)
-            overall = phases.close()
+            try:
+                with _data_dependent_is_config_error(cfg):
+                    for i in range(micro_steps):
+                        counter.counting = (i == micro_steps - 1) if not full else i >= micro_steps - counts
+                        model.train_step(batch, optim_wrapper=wrapper)
+            finally:  # its optimizer hooks are global: a step that failed must not leave them behind
+                overall = phases.close()
         if full and steps == 1:
             # Every later forward/backward runs beside the optimizer state the first step created (and
             # is otherwise the same): add it rather than run a second step.

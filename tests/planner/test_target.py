@@ -134,4 +134,7 @@ def test_cuda_targets_replay_the_caching_allocator():
 def test_a_step_that_reads_tensor_values_is_one_clear_error():
     with fake_process_group(1), pytest.raises(ConfigError, match=r"reads tensor values on the host .*at "
                                               r"test_target\.py:\d+.*memfit bench"):
-        measure_step(_chain(item=True), full=False, batch=(torch.randn(4, 768),))
+        measure_step(_chain(item=True), full=True, batch=(torch.randn(4, 768),))
+    # The failed step left no global optimizer hook behind: a later real optimizer step runs as usual.
+    w = nn.Parameter(torch.ones(2))
+    torch.optim.SGD([w], lr=1.0).step()
