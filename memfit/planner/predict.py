@@ -201,9 +201,12 @@ def _state(m: StepMeasurement) -> ModelState:
 
 
 def _result(plan: Plan, step: StepMeasurement, micro: StepMeasurement, device: Device, world_size: int,
-            shard_counts: int, source: str = "composed", fb_delta: int = 0, fb_grads: int = 0) -> PlanResult:
+            shard_counts: int, source: str = "composed", fb_delta: int = 0, fb_grads: int = 0,
+            allocator_run: StepMeasurement | None = None) -> PlanResult:
     """A plan's figures from its sharding's full step, with its own activations' difference (and
-    accumulated gradients) added to the forward/backward phase (0 when ``step`` is this plan's own)."""
+    accumulated gradients) added to the forward/backward phase (0 when ``step`` is this plan's own).
+    ``allocator_run``: whose simulated caching allocator gives the CUDA rounding and slack (default: the
+    plan's own step when measured, else ``micro``)."""
     fb = dict(step.forward_backward.breakdown)
     fb["activations"] = fb.get("activations", 0) + fb_delta
     fb["gradients"] = fb.get("gradients", 0) + fb_grads
@@ -215,7 +218,7 @@ def _result(plan: Plan, step: StepMeasurement, micro: StepMeasurement, device: D
         phases = [(sum(_offloaded(b).values()), _offloaded(b)) for _, b in phases]
     tracked, breakdown = max(phases, key=lambda pb: pb[0])
     # The allocator's rounding and slack: the plan's own step's, else its activations' forward/backward's.
-    run = step if source == "measured" else micro
+    run = allocator_run or (step if source == "measured" else micro)
     peak, breakdown, allocated, reserved = device_figures(tracked, breakdown, device, world_size, run)
     seconds = step_seconds(plan, micro, step, _state(step), device, world_size, shard_counts)
     return PlanResult(plan, peak, breakdown, allocated, reserved, seconds, source)
@@ -265,6 +268,8 @@ class _Composer:
             anchors = [(mb, 2) for mb in sorted({self.half, self.smallest}, reverse=True)]
         peak, flops, written = self._line(plan, plan.micro_batch)
         micro = replace(self._act(plan, ref.micro_batch), flops=flops, written=written)
+        # The allocator's slack grows with the activations: a smaller micro-batch takes the smaller run's.
+        allocator_run = self._act(plan, self.half) if self.half and plan.micro_batch <= self.half else micro
         results = []
         for mb, k in anchors:
             shard = self.runs.run(("shard", plan.sharding, plan.offload, mb, k),
@@ -276,7 +281,8 @@ class _Composer:
                 # where the reference step held only those produced so far at its peak.
                 fb_grads = self.grad_bytes - shard.forward_backward.breakdown.get("gradients", 0)
             results.append(_result(plan, shard, micro, self.device, self.world, k,
-                                   fb_delta=peak - self._line(ref, mb)[0], fb_grads=fb_grads))
+                                   fb_delta=peak - self._line(ref, mb)[0], fb_grads=fb_grads,
+                                   allocator_run=allocator_run))
         return replace(max(results, key=lambda r: r.peak_bytes), seconds=results[0].seconds)
 
 
