@@ -47,7 +47,7 @@ def _workloads(data: Path) -> dict[str, tuple[dict, str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="", help="run the rows whose name contains this")
+    parser.add_argument("--only", choices=("swin-l", "dino-swin-l"), help="run this workload only")
     parser.add_argument("--out", default="benchmarks/results/plan_time.csv")
     args = parser.parse_args()
 
@@ -61,7 +61,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         write_shapes_coco(tmp, num=4, image_size=96, split="train")
         for name, (cfg, device) in _workloads(Path(tmp)).items():
-            if args.only not in name:
+            if args.only and args.only != name:
                 continue
             cpu, start = _cpu_seconds(), time.perf_counter()
             pred = predict(cfg, device=gpu(device), world_size=8, progress=sys.stderr.isatty())
