@@ -31,7 +31,7 @@ from memfit.planner import devices
 from memfit.planner.cost import ModelState, step_seconds
 from memfit.planner.devices import Device
 from memfit.planner.fake import StepMeasurement, build_meta_model
-from memfit.planner.runs import Runs
+from memfit.planner.runs import Runs, StepFailed
 from memfit.planner.space import PRECISIONS, ModelFacts, Plan, configured_plan, enumerate_plans
 
 AUTO_FIT_MARGIN = 0.05  # the recommended plan leaves 5% of the budget free
@@ -168,27 +168,40 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
         compose(p)
     runs.collecting = False
     runs.execute()
-    own = runs.run("configured", configured, full=True)
-    # Compute comes from a forward/backward run, as for every composed row (clipping and loss scaling,
-    # which a whole step also runs, are outside the model's operators for all rows alike).
-    own_fb = runs.run("configured-fb", configured, full=False, single=True)
+    try:
+        own = runs.run("configured", configured, full=True)
+        # Compute comes from a forward/backward run, as for every composed row (clipping and loss scaling,
+        # which a whole step also runs, are outside the model's operators for all rows alike).
+        own_fb = runs.run("configured-fb", configured, full=False, single=True)
+    except StepFailed as exc:
+        raise ConfigError(f"the configured plan ({configured.name}) fails in its fake step: {exc}") from None
     results = [_result(configured, own, own_fb, device, world_size, configured.accumulative_counts, "measured")]
-    results += [compose(p) for p in plans]
+    failed: dict[str, list[Plan]] = {}
+    for p in plans:
+        try:
+            results.append(compose(p))
+        except StepFailed as exc:
+            failed.setdefault(str(exc), []).append(p)
     results += _block_subsets(results, len(facts.blocks), budget)
     _rank(results, budget)
     recommended = _recommend(results, budget)
     while verify and recommended is not None and results[recommended].source != "measured":
         r = results[recommended]
-        m = runs.run(("verify", r.plan), r.plan, full=True)
-        results[recommended] = replace(_result(r.plan, m, m, device, world_size, r.plan.accumulative_counts,
-                                               "measured"), seconds=r.seconds)
+        try:
+            m = runs.run(("verify", r.plan), r.plan, full=True)
+            results[recommended] = replace(_result(r.plan, m, m, device, world_size, r.plan.accumulative_counts,
+                                                   "measured"), seconds=r.seconds)
+        except StepFailed as exc:
+            failed.setdefault(str(exc), []).append(results.pop(recommended).plan)
         _rank(results, budget)
         recommended = _recommend(results, budget)
     order = sorted(range(len(results)), key=lambda i: (results[i].seconds, results[i].peak_bytes))
     index = {old: new for new, old in enumerate(order)}
+    notes = [f"{len(ps)} plan(s) left out, their fake step fails ({', '.join(p.name for p in ps[:3])}"
+             f"{', ...' if len(ps) > 3 else ''}): {why}" for why, ps in failed.items()]
     return Prediction(device, world_size, budget, [results[i] for i in order],
                       index.get(recommended) if recommended is not None else None, time.perf_counter() - start,
-                      fake_steps=len(runs.cache))
+                      notes=notes, fake_steps=len(runs.cache))
 
 
 def _half(plan: Plan) -> str:

@@ -35,14 +35,15 @@ def plan_table(pred: Prediction, limit: int | None = None) -> str:
 
 
 def summary(pred: Prediction) -> str:
-    """The recommendation in one line (or why there is none)."""
+    """The recommendation in one line (or why there is none), then the prediction's notes."""
     where = f"{pred.world_size} x {pred.device.name}, budget {size(pred.budget)} per rank"
+    notes = "".join(f"\nnote: {n}" for n in pred.notes)
     if pred.recommended is None:
         closest = min(pred.results, key=lambda r: r.peak_bytes)
-        return f"no plan fits ({where}); the smallest is '{closest.plan.name}' at {size(closest.peak_bytes)}"
+        return f"no plan fits ({where}); the smallest is '{closest.plan.name}' at {size(closest.peak_bytes)}{notes}"
     r = pred.results[pred.recommended]
     return (f"recommended ({where}): {r.plan.name}, peak {size(r.peak_bytes)}, "
-            f"{r.rel_step_time:.2f}x the configured step time")
+            f"{r.rel_step_time:.2f}x the configured step time{notes}")
 
 
 def write_json(pred: Prediction, path: str | Path) -> Path:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from memfit.errors import ConfigError, first_line
 from memfit.planner.fake import (
     Phase,
     StepMeasurement,
@@ -49,12 +50,22 @@ def _init_worker(world_size: int) -> None:
     _WORKER["group"] = group
 
 
+class StepFailed(Exception):
+    """A plan's fake step raised (the plan cannot train as configured, e.g. selective checkpointing over
+    an in-place op): the plans that need it are left out, with the reason. Picklable (a message)."""
+
+
 def _run_one(cfg: dict, full: bool, steps: int, cuda: bool) -> StepMeasurement:
     batches = _WORKER.setdefault("batches", {})
     mb = cfg["train_dataloader"]["batch_size"]
     if mb not in batches:
         batches[mb] = first_batch(cfg["train_dataloader"])
-    return measure_step(cfg, full=full, batch=batches[mb], meta_model=_WORKER["meta"], steps=steps, cuda=cuda)
+    try:
+        return measure_step(cfg, full=full, batch=batches[mb], meta_model=_WORKER["meta"], steps=steps, cuda=cuda)
+    except (ConfigError, KeyboardInterrupt):
+        raise
+    except Exception as exc:  # noqa: BLE001 - the step's own error, whatever it is, says why the plan cannot run
+        raise StepFailed(f"{type(exc).__name__}: {first_line(exc)}") from None
 
 
 def workers() -> int:
@@ -107,7 +118,7 @@ class Runs:
                  cuda: bool = False) -> None:
         self.cfg, self.facts, self.meta, self.world, self.cuda = cfg, facts, meta, world_size, cuda
         self.canon: dict[Any, str] = {}  # a caller's key -> the step it names
-        self.cache: dict[str, StepMeasurement] = {}
+        self.cache: dict[str, StepMeasurement | StepFailed] = {}
         self.pending: dict[str, tuple[dict, bool, int, str]] = {}
         self.collecting = False
         self.progress = progress
@@ -120,19 +131,21 @@ class Runs:
 
     def run(self, key: Any, plan: Plan, full: bool, single: bool = False, steps: int = 2) -> StepMeasurement:
         """The fake step of ``plan`` (``full``: ``steps`` optimizer steps, else one forward/backward;
-        ``single``: in one process); ``key`` names it for the caller."""
+        ``single``: in one process); ``key`` names it for the caller. Raises :class:`StepFailed`."""
         if key not in self.canon:
             cfg = self._cfg(plan, single)
             self.canon[key] = _canonical(cfg, full, steps)
             if self.canon[key] not in self.cache and self.canon[key] not in self.pending:
                 self.pending[self.canon[key]] = (cfg, full, steps, plan.name)
         canon = self.canon[key]
-        if canon in self.cache:
-            return self.cache[canon]
-        if self.collecting:
-            return StepMeasurement(0, {}, Phase(), Phase())
-        self.execute()
-        return self.cache[canon]
+        if canon not in self.cache:
+            if self.collecting:
+                return StepMeasurement(0, {}, Phase(), Phase())
+            self.execute()
+        out = self.cache[canon]
+        if isinstance(out, StepFailed):
+            raise out
+        return out
 
     def _in_workers(self, pending: dict, n: int, bar: Any) -> None:
         ctx = multiprocessing.get_context("fork")
@@ -141,7 +154,10 @@ class Runs:
             order = sorted(pending.items(), key=lambda kv: -_cost(*kv[1][:3]))
             futures = {pool.submit(_run_one, cfg, full, steps, self.cuda): key for key, (cfg, full, steps, _) in order}
             for future in as_completed(futures):
-                self.cache[futures[future]] = future.result()
+                try:
+                    self.cache[futures[future]] = future.result()
+                except StepFailed as exc:
+                    self.cache[futures[future]] = exc
                 if bar is not None:
                     bar.update(1)
 
@@ -173,7 +189,10 @@ class Runs:
                         continue
                     if bar is not None:
                         bar.set_postfix_str(name)
-                    self.cache[key] = _run_one(cfg, full, steps, self.cuda)
+                    try:
+                        self.cache[key] = _run_one(cfg, full, steps, self.cuda)
+                    except StepFailed as exc:
+                        self.cache[key] = exc
                     if bar is not None:
                         bar.update(1)
         finally:
