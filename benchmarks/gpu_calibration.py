@@ -45,6 +45,7 @@ CASES: list[tuple[str, str, list[str], str]] = [
     ("swin-l bf16 ac:selective", str(SWIN_L), [], "bf16 ac:selective mb32x1"),
     ("swin-l fp16 ac:stages", str(SWIN_L), [], "fp16 ac:stages mb32x1"),
     ("swin-l bf16 mb8x4", str(SWIN_L), [], "bf16 mb8x4"),
+    ("swin-l fp16 fsdp (configured, one rank)", str(SWIN_L), [], "configured"),
     ("vit-t fp16 (demo)", str(VIT), [], "configured"),
     ("vit-t fp32 (demo)", str(VIT), [], "fp32 mb32x1"),
     ("fcos-r18 fp32 (demo)", str(FCOS), [], "configured"),
