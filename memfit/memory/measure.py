@@ -118,7 +118,7 @@ class _LiveStorages(TorchDispatchMode):
                 self.current[entry[2]] += n - entry[1]
                 self.total += n - entry[1]
                 entry[1] = n
-                if self.allocator is not None:  # a new block, then the old one freed
+                if self.allocator is not None:  # another block (FSDP2 resizes between 0 and full size)
                     self.allocator.free(key)
                     self.allocator.malloc(key, n)
             return
