@@ -62,7 +62,7 @@ def _run_one(cfg: dict, full: bool, steps: int, cuda: bool) -> StepMeasurement:
         batches[mb] = first_batch(cfg["train_dataloader"])
     try:
         return measure_step(cfg, full=full, batch=batches[mb], meta_model=_WORKER["meta"], steps=steps, cuda=cuda)
-    except (ConfigError, KeyboardInterrupt):
+    except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - the step's own error, whatever it is, says why the plan cannot run
         raise StepFailed(f"{type(exc).__name__}: {first_line(exc)}") from None
