@@ -87,10 +87,9 @@ def device_figures(tracked: int, breakdown: dict[str, int], device: Device, worl
     out = dict(breakdown)
     if not device.cuda:
         return tracked, out, tracked, tracked
-    run_allocated = run.cuda_allocated or run.peak + devices.CUBLAS_WORKSPACE
     out["workspace"] = devices.CUBLAS_WORKSPACE
-    out["allocator_rounding"] = max(0, run_allocated - run.peak - devices.CUBLAS_WORKSPACE)
-    out["allocator_slack"] = max(0, run.cuda_reserved - run_allocated)
+    out["allocator_rounding"] = max(0, run.cuda_allocated - run.peak - devices.CUBLAS_WORKSPACE)
+    out["allocator_slack"] = max(0, run.cuda_reserved - run.cuda_allocated)
     allocated = tracked + out["workspace"] + out["allocator_rounding"]
     reserved = allocated + out["allocator_slack"]
     out["cuda_context"] = devices.CUDA_CONTEXT

@@ -55,7 +55,13 @@ class StepFailed(Exception):
     an in-place op): the plans that need it are left out, with the reason. Picklable (a message)."""
 
 
-def _run_one(cfg: dict, full: bool, steps: int, cuda: bool) -> StepMeasurement:
+def _forked_autograd(exc: BaseException) -> bool:
+    """Autograd refuses to run backward in a child forked after this process ran one."""
+    return isinstance(exc, RuntimeError) and "fork" in str(exc)
+
+
+def _run_one(cfg: dict, full: bool, steps: int, cuda: bool) -> StepMeasurement | StepFailed:
+    """The fake step, or why it failed (returned, so that the cache keeps it beside the measurements)."""
     batches = _WORKER.setdefault("batches", {})
     mb = cfg["train_dataloader"]["batch_size"]
     if mb not in batches:
@@ -65,7 +71,9 @@ def _run_one(cfg: dict, full: bool, steps: int, cuda: bool) -> StepMeasurement:
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - the step's own error, whatever it is, says why the plan cannot run
-        raise StepFailed(f"{type(exc).__name__}: {first_line(exc)}") from None
+        if _forked_autograd(exc):
+            raise  # not the plan's: autograd cannot run in this forked worker, so the runs move in-process
+        return StepFailed(f"{type(exc).__name__}: {first_line(exc)}")
 
 
 def workers() -> int:
@@ -154,10 +162,7 @@ class Runs:
             order = sorted(pending.items(), key=lambda kv: -_cost(*kv[1][:3]))
             futures = {pool.submit(_run_one, cfg, full, steps, self.cuda): key for key, (cfg, full, steps, _) in order}
             for future in as_completed(futures):
-                try:
-                    self.cache[futures[future]] = future.result()
-                except StepFailed as exc:
-                    self.cache[futures[future]] = exc
+                self.cache[futures[future]] = future.result()
                 if bar is not None:
                     bar.update(1)
 
@@ -181,7 +186,7 @@ class Runs:
                 except RuntimeError as exc:
                     # Once a fake backward ran in this process, autograd's device threads exist and a forked
                     # child cannot run backward: what is left runs here.
-                    if "fork" not in str(exc):
+                    if not _forked_autograd(exc):
                         raise
             with fake_process_group(self.world):
                 for key, (cfg, full, steps, name) in pending.items():
@@ -189,10 +194,7 @@ class Runs:
                         continue
                     if bar is not None:
                         bar.set_postfix_str(name)
-                    try:
-                        self.cache[key] = _run_one(cfg, full, steps, self.cuda)
-                    except StepFailed as exc:
-                        self.cache[key] = exc
+                    self.cache[key] = _run_one(cfg, full, steps, self.cuda)
                     if bar is not None:
                         bar.update(1)
         finally:
