@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 from typing import Any
 
@@ -67,6 +68,21 @@ def init_process_group(launcher: str, backend: str | None = None, timeout_s: int
 
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(**kwargs)
+    _destroy_at_exit_once()
+
+
+def _destroy_at_exit_once() -> None:
+    atexit.unregister(_destroy_at_exit)
+    atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit() -> None:
+    """Destroy the group memfit joined while the interpreter is still whole: left to interpreter
+    finalization, gloo's worker threads can outlive it and abort the process (SIGABRT, "terminate called
+    without an active exception") after training finished; torch's docs ask for destroy_process_group
+    at the end of every trainer process."""
+    if is_distributed():
+        dist.destroy_process_group()
 
 
 def resolve_launcher(launcher: str | None) -> str:
@@ -110,6 +126,7 @@ def ensure_process_group(dist_cfg: dict | None = None) -> None:
         return
     backend = (dist_cfg or {}).get("backend") or ("nccl" if default_device().type == "cuda" else "gloo")
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    _destroy_at_exit_once()
 
 
 def free_port() -> int:

@@ -82,3 +82,21 @@ def test_slurm_variables_become_torchrun_variables(monkeypatch):
     dist._env_from_slurm()
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("5", "16", "1")
     assert os.environ["MASTER_ADDR"] == "node001" and os.environ["MASTER_PORT"] == "29500"
+
+
+def test_the_group_memfit_joins_is_destroyed_before_interpreter_exit():
+    """Left to interpreter finalization, gloo's threads can abort a rank after training finished (SIGABRT,
+    "terminate called without an active exception"): memfit destroys its group at exit."""
+    script = textwrap.dedent("""
+        import atexit
+        import torch.distributed as tdist
+        # registered first, so it runs last: after memfit's teardown
+        atexit.register(lambda: print("initialized at exit:", tdist.is_initialized()))
+        from memfit import dist
+        dist.ensure_process_group()
+        assert tdist.is_initialized()
+    """)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "initialized at exit: False" in proc.stdout
