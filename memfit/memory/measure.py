@@ -78,6 +78,9 @@ _COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional", "fsdp"})
 # The labels a collective (or a resize) may override: the others say what a storage is more precisely.
 _OVERRIDABLE = frozenset({"activations", "inputs"})
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
+# ``tensor.device`` of a fake tensor is an operator call (autograd's engine asks it of every gradient): two
+# in three of a fake step's calls, holding no memory; answered before any bookkeeping.
+_DEVICE = torch.ops.prim.device.default
 
 
 class _LiveStorages(TorchDispatchMode):
@@ -222,7 +225,7 @@ class _LiveStorages(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if _DTensor is not None and any(t is _DTensor for t in types):
             return NotImplemented  # let DTensor desugar to local tensors, which are what holds memory
-        if self.metadata_only:
+        if self.metadata_only or func is _DEVICE:
             return func(*args, **(kwargs or {}))
         comm = func.namespace in _COMM_NAMESPACES
         # ``torch.tensor(...)`` made inside the step (Adam's first ``step`` counters) reaches the mode as

@@ -47,7 +47,11 @@ class Device:
     mem_bw: float
     link_bw: float
     host_bw: float
-    launch_us: float = 6.0
+    # Eager PyTorch's host cost per operator (dispatch and launch; every dispatched operator counts,
+    # views included, ``tensor.device`` queries not): fitted to the step times in
+    # benchmarks/gpu_calibration_h100.json (H100, docs/planner.md): predicted step-time ratios 0.73-1.10x
+    # the measured ones.
+    launch_us: float = 20.0
     efficiency: float = 0.5  # fraction of peak FLOPs vision training reaches
     cuda: bool = True
 

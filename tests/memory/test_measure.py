@@ -115,6 +115,25 @@ def test_fake_tensors_give_the_real_peak(kind: str) -> None:
     assert real[1][0] > 0
 
 
+def test_the_observer_sees_the_same_operators_on_fake_and_real_tensors() -> None:
+    """A fake tensor's ``.device`` is an operator call (autograd asks it of every gradient); a real one's is
+    not. The observer (the planner's operator and FLOP count) sees neither: the counts are the real step's."""
+
+    def observed(fake: bool) -> list[str]:
+        seen: list[str] = []
+        torch.manual_seed(0)
+        model = mlp()
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext() as mode:
+            x = mode.from_tensor(torch.randn(8, 64)) if fake else torch.randn(8, 64)
+            with MemoryTracker(model, observer=lambda func, *a: seen.append(str(func))):
+                model(x).sum().backward()
+        return seen
+
+    real, fake = observed(False), observed(True)
+    assert "aten.mm.default" in real and not any(name.startswith("prim.") for name in fake)
+    assert sorted(fake) == sorted(real)
+
+
 def test_meta_tensors_are_measured() -> None:
     with torch.device("meta"):
         model = mlp()
