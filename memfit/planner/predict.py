@@ -3,7 +3,8 @@
 Running the whole step for each of hundreds of plans would take minutes on a large model; the
 planner runs three kinds of fake step and composes them:
 
-1. the configured plan, as it is (two optimizer steps): its row is measured, not composed;
+1. the configured plan, as it is (one optimizer step, its state added to the next forward/backward,
+   as :func:`memfit.planner.fake.measure_step` does with ``steps=1``): its row is measured, not composed;
 2. one full step per sharding (none/DDP, ZeRO-1, ZeRO-2, FSDP, FSDP + CPU offload) at the
    reference activations (fp32, no checkpointing, no Conv-BN folding, the configured micro-batch):
    the model state, the optimizer phase's peak and the communication of each sharding;
@@ -158,49 +159,49 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
     plans = [] if as_is else [p for p in enumerate_plans(configured, facts, world_size, precisions) if p != configured]
     ref = Plan("fp32", "none", "none", "none", False, configured.micro_batch, configured.accumulative_counts)
     micro = sorted({p.micro_batch for p in plans} - {configured.micro_batch})
-    runs = Runs(cfg, facts, meta, world_size, progress, device.cuda)
-    compose = _Composer(runs, ref, device, world_size, micro)
-    runs.collecting = True  # first pass: which fake steps the composition needs; then run them all at once
-    runs.run("configured", configured, full=True)
-    runs.run("configured-fb", configured, full=False, single=True)
-    for p in plans:
-        compose(p)
-    runs.collecting = False
-    runs.execute()
-    try:
-        own = runs.run("configured", configured, full=True)
-        # Compute comes from a forward/backward run, as for every composed row (clipping and loss scaling,
-        # which a whole step also runs, are outside the model's operators for all rows alike).
-        own_fb = runs.run("configured-fb", configured, full=False, single=True)
-    except StepFailed as exc:
-        raise ConfigError(f"the configured plan ({configured.name}) fails in its fake step: {exc}") from None
-    results = [_result(configured, own, own_fb, device, world_size, configured.accumulative_counts, "measured")]
-    failed: dict[str, list[Plan]] = {}
-    for p in plans:
+    with Runs(cfg, facts, meta, world_size, progress, device.cuda) as runs:
+        compose = _Composer(runs, ref, device, world_size, micro)
+        runs.collecting = True  # first pass: which fake steps the composition needs; then run them all at once
+        runs.run("configured", configured, full=True, steps=1)
+        runs.run("configured-fb", configured, full=False, single=True)
+        for p in plans:
+            compose(p)
+        runs.collecting = False
+        runs.execute()
         try:
-            results.append(compose(p))
+            own = runs.run("configured", configured, full=True, steps=1)
+            # Compute comes from a forward/backward run, as for every composed row (clipping and loss scaling,
+            # which a whole step also runs, are outside the model's operators for all rows alike).
+            own_fb = runs.run("configured-fb", configured, full=False, single=True)
         except StepFailed as exc:
-            failed.setdefault(str(exc), []).append(p)
-    results += _block_subsets(results, len(facts.blocks), budget)
-    _rank(results, budget)
-    recommended = _recommend(results, budget)
-    while verify and recommended is not None and results[recommended].source != "measured":
-        r = results[recommended]
-        try:
-            m = runs.run(("verify", r.plan), r.plan, full=True)
-            results[recommended] = replace(_result(r.plan, m, m, device, world_size, r.plan.accumulative_counts,
-                                                   "measured"), seconds=r.seconds)
-        except StepFailed as exc:
-            failed.setdefault(str(exc), []).append(results.pop(recommended).plan)
+            raise ConfigError(f"the configured plan ({configured.name}) fails in its fake step: {exc}") from None
+        results = [_result(configured, own, own_fb, device, world_size, configured.accumulative_counts, "measured")]
+        failed: dict[str, list[Plan]] = {}
+        for p in plans:
+            try:
+                results.append(compose(p))
+            except StepFailed as exc:
+                failed.setdefault(str(exc), []).append(p)
+        results += _block_subsets(results, len(facts.blocks), budget)
         _rank(results, budget)
         recommended = _recommend(results, budget)
-    order = sorted(range(len(results)), key=lambda i: (results[i].seconds, results[i].peak_bytes))
-    index = {old: new for new, old in enumerate(order)}
-    notes = [f"{len(ps)} plan(s) left out, their fake step fails ({', '.join(p.name for p in ps[:3])}"
-             f"{', ...' if len(ps) > 3 else ''}): {why}" for why, ps in failed.items()]
-    return Prediction(device, world_size, budget, [results[i] for i in order],
-                      index.get(recommended) if recommended is not None else None, time.perf_counter() - start,
-                      notes=notes, fake_steps=len(runs.cache))
+        while verify and recommended is not None and results[recommended].source != "measured":
+            r = results[recommended]
+            try:
+                m = runs.run(("verify", r.plan), r.plan, full=True, steps=1)
+                results[recommended] = replace(_result(r.plan, m, m, device, world_size, r.plan.accumulative_counts,
+                                                       "measured"), seconds=r.seconds)
+            except StepFailed as exc:
+                failed.setdefault(str(exc), []).append(results.pop(recommended).plan)
+            _rank(results, budget)
+            recommended = _recommend(results, budget)
+        order = sorted(range(len(results)), key=lambda i: (results[i].seconds, results[i].peak_bytes))
+        index = {old: new for new, old in enumerate(order)}
+        notes = [f"{len(ps)} plan(s) left out, their fake step fails ({', '.join(p.name for p in ps[:3])}"
+                 f"{', ...' if len(ps) > 3 else ''}): {why}" for why, ps in failed.items()]
+        return Prediction(device, world_size, budget, [results[i] for i in order],
+                          index.get(recommended) if recommended is not None else None, time.perf_counter() - start,
+                          notes=notes, fake_steps=len(runs.cache))
 
 
 def _half(plan: Plan) -> str:

@@ -3,8 +3,9 @@
 The composer asks for runs by key; in the collecting pass it gets placeholders and the keys are
 recorded, so the composition code alone decides which steps are needed. The recorded steps then run
 in worker processes (one per CPU core, at most 4): each is a single-threaded Python walk over fake
-tensors, so they scale with cores. Workers are forked with the meta model already built and join a
-fake process group of their own.
+tensors, so they scale with cores. Workers are forked with the meta model already built, join a
+fake process group of their own and stay for the prediction (:mod:`memfit.planner.pool`), so the
+recommended plan's verification runs in a worker whose caches are warm for it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import json
 import multiprocessing
 import os
 import sys
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from memfit.planner.fake import (
     measure_step,
     measured_optim_wrapper,
 )
+from memfit.planner.pool import Job, Pool
 from memfit.planner.space import ModelFacts, Plan, technique_cfg
 
 _WORKER: dict[str, Any] = {}  # the forked worker's meta model, world size and batches
@@ -100,7 +101,7 @@ def _canonical(cfg: dict, full: bool, steps: int) -> str:
     ow = measured_optim_wrapper(c.get("optim_wrapper"), full)
     if isinstance(ow, dict):
         c["optim_wrapper"] = {"accumulative_counts": 1, **ow}
-    strategy = c.get("strategy")
+    strategy = c["strategy"] = c.get("strategy")  # no strategy key is None: the runner's default either way
     if isinstance(strategy, dict) and strategy.get("type") == "FSDPStrategy":
         # On CPU (fake) tensors FSDP's CPU offload moves nothing: the step holds what the same step without it
         # holds (measured equal, phase by phase); what leaves a CUDA device is taken out by the predictor.
@@ -108,14 +109,15 @@ def _canonical(cfg: dict, full: bool, steps: int) -> str:
     return json.dumps([c, full, steps if full else 1], sort_keys=True, default=repr)
 
 
-def _cost(cfg: dict, full: bool, steps: int) -> int:
-    """A fake step's relative run time, for ordering: micro-steps, plus an optimizer step and sharding."""
+def _cost(cfg: dict, full: bool, steps: int) -> float:
+    """A fake step's run time in forward/backward runs, for ordering (fitted on DINO Swin-L's steps): each
+    micro-step one, each optimizer step 0.4, FSDP's wrapping 0.5."""
     if not full:
-        return 1
+        return 1.0
     ow = cfg.get("optim_wrapper")
     counts = ow.get("accumulative_counts", 1) if isinstance(ow, dict) else 1
     strategy = cfg.get("strategy")
-    return steps * (counts + 1) + (isinstance(strategy, dict) and strategy.get("type") == "FSDPStrategy")
+    return steps * (counts + 0.4) + 0.5 * (isinstance(strategy, dict) and strategy.get("type") == "FSDPStrategy")
 
 
 class Runs:
@@ -130,6 +132,10 @@ class Runs:
         self.pending: dict[str, tuple[dict, bool, int, str]] = {}
         self.collecting = False
         self.progress = progress
+        self.pool: Pool | None = None
+        # Workers are forked while this process has run no backward (autograd's threads would not survive the
+        # fork): False once a worker found otherwise, or where fork does not exist; then steps run here.
+        self.forked = "fork" in multiprocessing.get_all_start_methods()
 
     def _cfg(self, plan: Plan, single: bool) -> dict:
         cfg = plan.apply(self.cfg, self.facts)
@@ -155,16 +161,47 @@ class Runs:
             raise out
         return out
 
-    def _in_workers(self, pending: dict, n: int, bar: Any) -> None:
-        ctx = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker, initargs=(self.world,)) as pool:
-            # Longest first (whole steps, then forward/backward runs): two cores finish together.
-            order = sorted(pending.items(), key=lambda kv: -_cost(*kv[1][:3]))
-            futures = {pool.submit(_run_one, cfg, full, steps, self.cuda): key for key, (cfg, full, steps, _) in order}
-            for future in as_completed(futures):
-                self.cache[futures[future]] = future.result()
-                if bar is not None:
-                    bar.update(1)
+    def _kinds(self, cfg: dict, full: bool) -> dict[Any, float]:
+        """The caches a step warms in a worker, each with its cold cost in fake forward/backward steps
+        (:mod:`memfit.planner.pool`): FakeTensorMode's per precision and micro-batch, DTensor's under FSDP."""
+        ow = cfg.get("optim_wrapper")
+        dtype = ow.get("dtype") if isinstance(ow, dict) else None
+        kinds: dict[Any, float] = {("shapes", str(dtype), cfg["train_dataloader"]["batch_size"]): 0.25}
+        strategy = cfg.get("strategy")
+        if full and isinstance(strategy, dict) and strategy.get("type") == "FSDPStrategy":
+            kinds["dtensor"] = 2.5
+        return kinds
+
+    def _in_workers(self, pending: dict, bar: Any) -> None:
+        if self.pool is None:  # forked with _WORKER's meta model
+            self.pool = Pool(min(workers(), len(pending)), _init_worker, (self.world,))
+        jobs = {key: Job(_run_one, (cfg, full, steps, self.cuda), _cost(cfg, full, steps), self._kinds(cfg, full))
+                for key, (cfg, full, steps, _) in pending.items()}
+
+        def done(key: str, ok: bool, value: Any) -> bool:
+            if not ok:
+                if not _forked_autograd(value):
+                    raise value
+                self.forked = False  # this process ran a backward before forking: the rest runs here
+                return False
+            self.cache[key] = value
+            if bar is not None:
+                bar.update(1)
+            return True
+
+        self.pool.run(jobs, done)
+
+    def __enter__(self) -> Runs:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the worker processes (a later :meth:`execute` starts new ones)."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
 
     def execute(self) -> None:
         """Run every pending step (in worker processes when there are several), with a progress bar."""
@@ -176,18 +213,18 @@ class Runs:
             from tqdm import tqdm
 
             bar = tqdm(total=len(pending), desc="memfit plan", unit="step", leave=False, file=sys.stderr)
-        n = min(workers(), len(pending))
-        _WORKER["meta"] = self.meta  # inherited by the forked workers
+        _WORKER["meta"] = self.meta  # inherited by forked workers
         try:
-            if n > 1 and "fork" in multiprocessing.get_all_start_methods():
+            if self.forked and (self.pool is not None or min(workers(), len(pending)) > 1):
                 try:
-                    self._in_workers(pending, n, bar)
-                    return
-                except RuntimeError as exc:
-                    # Once a fake backward ran in this process, autograd's device threads exist and a forked
-                    # child cannot run backward: what is left runs here.
-                    if not _forked_autograd(exc):
-                        raise
+                    self._in_workers(pending, bar)
+                except BaseException:
+                    self.close()
+                    raise
+                if not self.forked:
+                    self.close()
+            if all(key in self.cache for key in pending):
+                return
             with fake_process_group(self.world):
                 for key, (cfg, full, steps, name) in pending.items():
                     if key in self.cache:

@@ -27,9 +27,9 @@ def test_worker_count_is_at_least_one(workers, monkeypatch):
 
 
 def test_steps_that_differ_only_in_wording_run_once(tiny_config, tmp_path):
-    """fp16 is measured as bf16, FSDP's defaults may be written out or not, and a forward/backward run
-    overrides accumulation: such configs run one fake step, so the recommended plan's verification
-    reuses the configured plan's step when they are the same step."""
+    """fp16 is measured as bf16, FSDP's defaults may be written out or not, a missing strategy is None, and a
+    forward/backward run overrides accumulation: such configs run one fake step, so the recommended plan's
+    verification reuses the configured plan's step when they are the same step."""
     from memfit.planner.runs import _canonical
     from memfit.planner.space import ModelFacts, Plan
 
@@ -47,4 +47,7 @@ def test_steps_that_differ_only_in_wording_run_once(tiny_config, tmp_path):
     offload = {**configured, "strategy": dict(type="FSDPStrategy", cpu_offload=True)}
     assert _canonical(offload, True, 2) == _canonical(configured, True, 2)  # a no-op on CPU tensors
     assert _canonical(configured, True, 2) != _canonical(configured, True, 1)
+    # A config without a strategy key runs what strategy=None runs (a configured plan beside the reference).
+    plain = {k: v for k, v in cfg.items() if k != "strategy"}
+    assert _canonical(plain, True, 1) == _canonical({**plain, "strategy": None}, True, 1)
     assert _canonical(configured, True, 2) != _canonical(configured, False, 2)

@@ -1,0 +1,69 @@
+"""The planner's worker pool: a step goes to the worker whose caches are warm for it, results and errors
+come back, and a worker that dies is reported in one line."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from memfit.planner.pool import Job, Pool, WorkerDied
+
+
+def _init() -> None:
+    pass
+
+
+def _pid_after(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def _fail() -> None:
+    raise ValueError("bad plan")
+
+
+def _die() -> None:
+    os._exit(3)
+
+
+def _run(pool: Pool, jobs: dict) -> dict:
+    out: dict = {}
+
+    def done(key, ok, value):
+        out[key] = value if ok else ("failed", value)
+        return True
+
+    pool.run(jobs, done)
+    return out
+
+
+def test_steps_of_a_kind_stay_with_the_worker_warm_for_it_and_a_later_one_follows():
+    """Three FSDP-like steps (cold cost 2.5) beside eight plain ones on two workers: one worker takes every
+    FSDP step while the other has plain work, and a step submitted later goes to the warm worker."""
+    pool = Pool(2, _init)
+    try:
+        jobs = {("fsdp", i): Job(_pid_after, (0.1,), 2.0, {"dtensor": 2.5}) for i in range(3)}
+        jobs.update({("plain", i): Job(_pid_after, (0.05,), 1.0) for i in range(8)})
+        pids = _run(pool, jobs)
+        fsdp = {pids[("fsdp", i)] for i in range(3)}
+        assert len(fsdp) == 1
+        assert len(set(pids.values())) == 2  # both workers ran steps
+        later = _run(pool, {"verify": Job(_pid_after, (0.0,), 2.0, {"dtensor": 2.5})})
+        assert later["verify"] in fsdp
+    finally:
+        pool.close()
+    assert not any(w.process.is_alive() for w in pool.workers)
+
+
+def test_a_steps_exception_comes_back_and_a_dead_worker_is_one_line():
+    pool = Pool(2, _init)
+    try:
+        out = _run(pool, {"bad": Job(_fail, (), 1.0), "good": Job(_pid_after, (0.0,), 1.0)})
+        assert out["bad"][0] == "failed" and isinstance(out["bad"][1], ValueError)
+        assert isinstance(out["good"], int)
+        with pytest.raises(WorkerDied, match=r"planner worker process \(pid \d+\) ended .*exit code 3"):
+            _run(pool, {"dies": Job(_die, (), 1.0)})
+    finally:
+        pool.close()
