@@ -82,75 +82,83 @@ class DINOHead(nn.Module):
         return torch.stack(classes), torch.stack(coords)
 
     # ---- losses -------------------------------------------------------------------------------------
+    # Every decoder layer's losses are computed together ([L, ...] tensors, one loss value per layer): the
+    # same values as layer by layer, in a tenth of the operators (fewer kernel launches on a GPU, one
+    # all-reduce of the positives' count, and a faster fake step for the planner).
     def loss(self, all_cls: Tensor, all_boxes: Tensor, enc_cls: Tensor, enc_boxes: Tensor,
              gts: list[dict], img_shapes: list[tuple[int, int]], dn_meta: dict | None) -> dict[str, Tensor]:
         """All DINO losses. ``gts[i]``: ``dict(bboxes=[n, 4] xyxy pixels, labels=[n])``; the first
         ``dn_meta['num_denoising_queries']`` queries of ``all_cls``/``all_boxes`` are the denoising ones."""
         num_dn = dn_meta["num_denoising_queries"] if dn_meta else 0
-        losses: dict[str, Tensor] = {}
         layers = all_cls.shape[0]
-        for i in range(layers):
-            name = "" if i == layers - 1 else f"d{i}."
-            matched = self._matched(all_cls[i, :, num_dn:], all_boxes[i, :, num_dn:], gts, img_shapes)
-            self._add(losses, name, "", matched)
-        self._add(losses, "enc_", "", self._matched(enc_cls, enc_boxes, gts, img_shapes))
+        names = [f"d{i}." for i in range(layers - 1)] + [""]
+        losses: dict[str, Tensor] = {}
+        self._add(losses, names, "", self._matched(all_cls[:, :, num_dn:], all_boxes[:, :, num_dn:], gts, img_shapes))
+        self._add(losses, ["enc_"], "", self._matched(enc_cls[None], enc_boxes[None], gts, img_shapes))
         if num_dn:
-            for i in range(layers):
-                name = "" if i == layers - 1 else f"d{i}."
-                self._add(losses, name, "dn_", self._denoising(all_cls[i, :, :num_dn], all_boxes[i, :, :num_dn],
-                                                               gts, img_shapes, dn_meta))
+            self._add(losses, names, "dn_", self._denoising(all_cls[:, :, :num_dn], all_boxes[:, :, :num_dn],
+                                                            gts, img_shapes, dn_meta))
         return losses
 
     @staticmethod
-    def _add(losses: dict, name: str, kind: str, values: tuple[Tensor, Tensor, Tensor]) -> None:
-        for term, value in zip(("cls", "bbox", "iou"), values):
-            losses[f"{name}{kind}loss_{term}"] = value
+    def _add(losses: dict, names: list[str], kind: str, values: tuple[Tensor, Tensor, Tensor]) -> None:
+        for i, name in enumerate(names):
+            for term, value in zip(("cls", "bbox", "iou"), values):
+                losses[f"{name}{kind}loss_{term}"] = value[i]
 
     def _matched(self, cls: Tensor, boxes: Tensor, gts: list[dict], img_shapes: list[tuple[int, int]]
                  ) -> tuple[Tensor, Tensor, Tensor]:
-        """Losses of ``cls`` ``[B, Q, classes]`` / ``boxes`` ``[B, Q, 4]`` after Hungarian matching."""
-        b, q, _ = cls.shape
-        query_idx, gt_idx = [], []
-        for i, (gt, shape) in enumerate(zip(gts, img_shapes)):
-            rows, cols = self.assigner.assign(cls[i], boxes[i], gt["labels"], gt["bboxes"], shape)
-            query_idx.append(rows + i * q)
-            gt_idx.append(cols)
-        return self._targets_loss(cls, boxes, gts, img_shapes, query_idx, gt_idx)
+        """Per-layer losses of ``cls`` ``[L, B, Q, classes]`` / ``boxes`` ``[L, B, Q, 4]`` after Hungarian
+        matching of each layer."""
+        per_image = [self.assigner.assign_layers(cls[:, i], boxes[:, i], gt["labels"], gt["bboxes"], shape)
+                     for i, (gt, shape) in enumerate(zip(gts, img_shapes))]
+        pairs = [[per_image[i][layer] for i in range(len(gts))] for layer in range(cls.shape[0])]
+        return self._targets_loss(cls, boxes, gts, img_shapes, pairs)
 
     def _denoising(self, cls: Tensor, boxes: Tensor, gts: list[dict], img_shapes: list[tuple[int, int]],
                    dn_meta: dict) -> tuple[Tensor, Tensor, Tensor]:
-        """Losses of the denoising queries: group ``g``'s positive copy of target ``j`` sits at
+        """Per-layer losses of the denoising queries: group ``g``'s positive copy of target ``j`` sits at
         ``g * 2 * max + j`` and must reconstruct it; every other denoising query is background."""
-        b, num_dn, _ = cls.shape
         groups = dn_meta["num_denoising_groups"]
-        per_group = num_dn // groups
-        query_idx, gt_idx = [], []
-        for i, gt in enumerate(gts):
-            n = len(gt["labels"])
-            t = torch.arange(n, device=cls.device)
+        per_group = cls.shape[2] // groups
+        pairs = []
+        for gt in gts:
+            t = torch.arange(len(gt["labels"]), device=cls.device)
             offsets = torch.arange(groups, device=cls.device)[:, None] * per_group
-            query_idx.append((offsets + t).flatten() + i * num_dn)
-            gt_idx.append(t.repeat(groups))
-        return self._targets_loss(cls, boxes, gts, img_shapes, query_idx, gt_idx)
+            pairs.append(((offsets + t).flatten(), t.repeat(groups)))
+        return self._targets_loss(cls, boxes, gts, img_shapes, [pairs] * cls.shape[0])
 
     def _targets_loss(self, cls: Tensor, boxes: Tensor, gts: list[dict], img_shapes: list[tuple[int, int]],
-                      query_idx: list[Tensor], gt_idx: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        """Focal loss over all queries (unmatched ones: background), L1 (normalised cxcywh) and GIoU
-        (pixels) over the matched pairs given as flat query indices and per-image target indices."""
+                      pairs: list[list[tuple[Tensor, Tensor]]]) -> tuple[Tensor, Tensor, Tensor]:
+        """Focal loss over all queries (unmatched ones: background), L1 (normalised cxcywh) and GIoU (pixels)
+        over the matched pairs, per layer: ``pairs[layer][image]`` = (query indices, target indices).
+        Every layer has as many pairs (matching pairs min(Q, n) per image; denoising the same for all)."""
         device = cls.device
-        num_pos = sum(len(g) for g in gt_idx)  # python int: known from the shapes, also on fake tensors
-        queries = torch.cat(query_idx)
-        labels = torch.full((cls.shape[0] * cls.shape[1],), self.num_classes, dtype=torch.long, device=device)
-        labels = labels.index_put((queries,), torch.cat([g["labels"].to(device)[j] for g, j in zip(gts, gt_idx)]))
-        factors = torch.cat([torch.tensor([[w, h, w, h]], dtype=torch.float32, device=device).expand(len(j), 4)
-                             for (h, w), j in zip(img_shapes, gt_idx)])
-        target_xyxy = torch.cat([g["bboxes"].to(device).float()[j] for g, j in zip(gts, gt_idx)])
+        layers, b, q, _ = cls.shape
+        num_pos = sum(len(rows) for rows, _ in pairs[0])  # python int: known from the shapes, also on fake tensors
+        starts = [0]
+        for g in gts:
+            starts.append(starts[-1] + len(g["labels"]))
+        # Flat indices: a query into [L * B * Q], a target into the batch's targets concatenated.
+        queries = torch.cat([rows + (layer * b + i) * q for layer, per in enumerate(pairs)
+                             for i, (rows, _) in enumerate(per)])
+        targets = torch.cat([cols + starts[i] for per in pairs for i, (_, cols) in enumerate(per)])
+        gt_labels = torch.cat([g["labels"].to(device) for g in gts])
+        gt_xyxy = torch.cat([g["bboxes"].to(device).float() for g in gts])
+        gt_factors = torch.tensor([[w, h, w, h] for (h, w), g in zip(img_shapes, gts) for _ in range(len(g["labels"]))],
+                                  dtype=torch.float32, device=device).reshape(-1, 4)
+        labels = torch.full((layers * b * q,), self.num_classes, dtype=torch.long, device=device)
+        labels = labels.index_put((queries,), gt_labels[targets])
+        target_xyxy, factors = gt_xyxy[targets], gt_factors[targets]
         pred = boxes.reshape(-1, 4)[queries]
-        loss_cls = focal_loss(cls.reshape(-1, self.num_classes), labels,
+        loss_cls = focal_loss(cls.reshape(layers, b * q, self.num_classes), labels.reshape(layers, b * q),
                               avg_factor(num_pos, device, self.sync_cls_avg_factor), self.loss_cls)
         box_avg = avg_factor(num_pos, device, True)
-        loss_bbox = l1_loss(pred, box_convert(target_xyxy / factors, "xyxy", "cxcywh"), box_avg, self.loss_bbox)
-        loss_iou = giou_loss(box_convert(pred.float(), "cxcywh", "xyxy") * factors, target_xyxy, box_avg, self.loss_iou)
+        per_layer = (layers, num_pos, 4)
+        target_cxcywh = box_convert(target_xyxy / factors, "xyxy", "cxcywh")
+        loss_bbox = l1_loss(pred.reshape(per_layer), target_cxcywh.reshape(per_layer), box_avg, self.loss_bbox)
+        loss_iou = giou_loss((box_convert(pred.float(), "cxcywh", "xyxy") * factors).reshape(per_layer),
+                             target_xyxy.reshape(per_layer), box_avg, self.loss_iou)
         return loss_cls, loss_bbox, loss_iou
 
     # ---- prediction ---------------------------------------------------------------------------------

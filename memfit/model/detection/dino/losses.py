@@ -54,25 +54,27 @@ def parse_loss(cfg: dict | None, name: str, key: str) -> LossCfg:
 
 
 def focal_loss(logits: Tensor, labels: Tensor, avg_factor: Tensor | float, cfg: LossCfg) -> Tensor:
-    """Sigmoid focal loss of ``logits`` ``[N, classes]`` against ``labels`` ``[N]`` (``classes`` =
-    background: all-zero target), summed and divided by ``avg_factor``, times ``loss_weight``."""
+    """Sigmoid focal loss of ``logits`` ``[L, N, classes]`` against ``labels`` ``[L, N]`` (``classes`` =
+    background: all-zero target), summed per layer and divided by ``avg_factor``, times ``loss_weight``: ``[L]``."""
     with fp32_island(logits.device):
         classes = logits.shape[-1]
-        target = F.one_hot(labels, classes + 1)[:, :classes].float()
-        loss = sigmoid_focal_loss(logits.float(), target, alpha=cfg.alpha, gamma=cfg.gamma, reduction="sum")
-        return cfg.loss_weight * loss / avg_factor
+        target = F.one_hot(labels, classes + 1)[..., :classes].float()
+        loss = sigmoid_focal_loss(logits.float(), target, alpha=cfg.alpha, gamma=cfg.gamma, reduction="none")
+        return cfg.loss_weight * loss.sum((1, 2)) / avg_factor
 
 
 def l1_loss(pred: Tensor, target: Tensor, avg_factor: Tensor | float, cfg: LossCfg) -> Tensor:
-    """``|pred - target|`` summed over the matched boxes ``[n, 4]``, divided by ``avg_factor``."""
+    """``|pred - target|`` summed over each layer's matched boxes ``[L, n, 4]``, divided by ``avg_factor``: ``[L]``."""
     with fp32_island(pred.device):
-        return cfg.loss_weight * (pred.float() - target.float()).abs().sum() / avg_factor
+        return cfg.loss_weight * (pred.float() - target.float()).abs().sum((1, 2)) / avg_factor
 
 
 def giou_loss(pred: Tensor, target: Tensor, avg_factor: Tensor | float, cfg: LossCfg) -> Tensor:
-    """``1 - GIoU`` of matched xyxy boxes ``[n, 4]`` (pixels), summed and divided by ``avg_factor``."""
+    """``1 - GIoU`` of each layer's matched xyxy boxes ``[L, n, 4]`` (pixels), summed per layer and divided by
+    ``avg_factor``: ``[L]``."""
     with fp32_island(pred.device):
-        return cfg.loss_weight * (1 - aligned_giou(pred.float(), target.float(), cfg.eps)).sum() / avg_factor
+        giou = aligned_giou(pred.float().reshape(-1, 4), target.float().reshape(-1, 4), cfg.eps)
+        return cfg.loss_weight * (1 - giou).reshape(pred.shape[:2]).sum(1) / avg_factor
 
 
 def aligned_giou(a: Tensor, b: Tensor, eps: float = 1e-6) -> Tensor:

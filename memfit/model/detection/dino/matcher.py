@@ -58,19 +58,20 @@ class HungarianAssigner:
 
     def cost(self, cls_logits: Tensor, boxes: Tensor, gt_labels: Tensor, gt_boxes: Tensor,
              img_shape: tuple[int, int]) -> Tensor:
-        """The ``[queries, targets]`` cost: ``cls_logits`` ``[Q, classes]``, ``boxes`` ``[Q, 4]`` normalised
-        cxcywh, ``gt_boxes`` ``[n, 4]`` xyxy in ``img_shape`` pixels."""
+        """The ``[..., queries, targets]`` cost: ``cls_logits`` ``[..., Q, classes]``, ``boxes`` ``[..., Q, 4]``
+        normalised cxcywh (leading dims: decoder layers, costed at once), ``gt_boxes`` ``[n, 4]`` xyxy in
+        ``img_shape`` pixels."""
         with fp32_island(cls_logits.device):
             cls_logits, boxes, gt_boxes = cls_logits.float(), boxes.float(), gt_boxes.float()
             h, w = img_shape
             factor = boxes.new_tensor([w, h, w, h])
-            total = boxes.new_zeros(len(boxes), len(gt_boxes))
+            total = boxes.new_zeros(*boxes.shape[:-1], len(gt_boxes))
             for kind, args in self.costs:
                 if kind == "FocalLossCost":
                     p = cls_logits.sigmoid()
                     neg = -(1 - p + args["eps"]).log() * (1 - args["alpha"]) * p.pow(args["gamma"])
                     pos = -(p + args["eps"]).log() * args["alpha"] * (1 - p).pow(args["gamma"])
-                    c = pos[:, gt_labels] - neg[:, gt_labels]
+                    c = pos[..., gt_labels] - neg[..., gt_labels]
                 elif kind == "BBoxL1Cost":
                     gt_norm = gt_boxes / factor
                     if args["box_format"] == "xywh":
@@ -78,22 +79,32 @@ class HungarianAssigner:
                     else:
                         c = torch.cdist(box_convert(boxes, "cxcywh", "xyxy"), gt_norm, p=1)
                 else:
-                    pred = box_convert(boxes, "cxcywh", "xyxy") * factor
+                    pred = box_convert(boxes.reshape(-1, 4), "cxcywh", "xyxy") * factor
                     c = -(generalized_box_iou if args["iou_mode"] == "giou" else box_iou)(pred, gt_boxes)
+                    c = c.reshape(total.shape)
                 total = total + args["weight"] * c
             return total
 
     def assign(self, cls_logits: Tensor, boxes: Tensor, gt_labels: Tensor, gt_boxes: Tensor,
                img_shape: tuple[int, int]) -> tuple[Tensor, Tensor]:
         """Matched ``(query indices, target indices)``, ``min(Q, n)`` pairs, as long tensors on the device."""
-        device, n = boxes.device, len(gt_labels)
-        if n == 0 or len(boxes) == 0:
+        return self.assign_layers(cls_logits[None], boxes[None], gt_labels, gt_boxes, img_shape)[0]
+
+    def assign_layers(self, cls_logits: Tensor, boxes: Tensor, gt_labels: Tensor, gt_boxes: Tensor,
+                      img_shape: tuple[int, int]) -> list[tuple[Tensor, Tensor]]:
+        """:meth:`assign` for each of ``L`` layers' ``[L, Q, classes]`` / ``[L, Q, 4]`` predictions of one image:
+        their costs in one computation and one copy to the host."""
+        device, n, layers = boxes.device, len(gt_labels), boxes.shape[0]
+        if n == 0 or boxes.shape[1] == 0:
             empty = torch.zeros(0, dtype=torch.long, device=device)
-            return empty, empty
+            return [(empty, empty)] * layers
         cost = self.cost(cls_logits.detach(), boxes.detach(), gt_labels, gt_boxes, img_shape)
         if isinstance(cost, FakeTensor) or cost.is_meta:
-            k = torch.arange(min(len(boxes), n), device=device)
-            return k, k
-        rows, cols = linear_sum_assignment(cost.cpu().numpy())
-        return (torch.as_tensor(rows, dtype=torch.long, device=device),
-                torch.as_tensor(cols, dtype=torch.long, device=device))
+            k = torch.arange(min(boxes.shape[1], n), device=device)
+            return [(k, k)] * layers
+        out = []
+        for layer_cost in cost.cpu().numpy():
+            rows, cols = linear_sum_assignment(layer_cost)
+            out.append((torch.as_tensor(rows, dtype=torch.long, device=device),
+                        torch.as_tensor(cols, dtype=torch.long, device=device)))
+        return out
