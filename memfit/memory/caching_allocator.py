@@ -55,9 +55,11 @@ def segment_size(size: int) -> int:
 
 class CachingAllocatorModel:
     """``malloc(key, nbytes)`` and ``free(key)`` in program order; ``allocated``/``reserved`` now and
-    their peaks (``peak_allocated``/``peak_reserved``), in bytes."""
+    their peaks (``peak_allocated``/``peak_reserved``), in bytes. Every call that changes a block is
+    kept in ``trace`` (``(key, nbytes)``; ``nbytes`` None for a free), for :meth:`replay`."""
 
     def __init__(self) -> None:
+        self.trace: list[tuple[Hashable, int | None]] = []
         # Free blocks of each pool (small: True), sorted by (size, address) as the allocator's sets are.
         self._pools: dict[bool, list[tuple[int, int, _Block]]] = {True: [], False: []}
         self._used: dict[Hashable, _Block] = {}
@@ -67,6 +69,7 @@ class CachingAllocatorModel:
     def malloc(self, key: Hashable, nbytes: int) -> None:
         if nbytes <= 0 or key in self._used:
             return
+        self.trace.append((key, nbytes))
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
         pool = self._pools[small]
@@ -96,6 +99,7 @@ class CachingAllocatorModel:
         block = self._used.pop(key, None)
         if block is None:
             return
+        self.trace.append((key, None))
         self.allocated -= block.size
         block.free = True
         pool = self._pools[block.small]
@@ -115,3 +119,19 @@ class CachingAllocatorModel:
                 if other.next is not None:
                     other.next.prev = block
         insort(pool, (block.size, block.addr, block))
+
+    def replay(self, start: int) -> None:
+        """Run ``trace[start:]`` (one training step) again, as the next step would: the same requests in the
+        same order, on the segments the first left behind, except that what the first step allocated and
+        kept (the optimizer state it created) is not allocated again. Fragmentation grows over the first
+        steps, and max_memory_reserved with it: DINO Swin-L reserves 2 GiB more in its second step."""
+        events = self.trace[start:]
+        kept = {key for key, _ in events if key in self._used}
+        last = {key: i for i, (key, n) in enumerate(events) if n is not None and key in kept}
+        for i, (key, nbytes) in enumerate(events):
+            if last.get(key) == i:
+                continue
+            if nbytes is None:
+                self.free(("again", key))
+            else:
+                self.malloc(("again", key), nbytes)

@@ -11,8 +11,9 @@ Two kinds of run (:func:`measure_step`):
 - ``full``: two optimizer steps of k micro-steps each, so the optimizer state exists; the peaks of
   the second step's forward/backward phase and optimizer phase are reported apart (the planner
   composes them) with the tracker's breakdown at each. ``steps=1`` runs one optimizer step and adds
-  the optimizer state it created to the forward/backward phase (and to the simulated CUDA allocator's
-  peak), which is what the second step holds: the planner's runs take this, half the time of two steps
+  the optimizer state it created to the forward/backward phase, which is what the second step holds,
+  and replays the step's allocations in the simulated CUDA allocator as the second step makes them
+  (:meth:`CachingAllocatorModel.replay`): the planner's runs take this, half the time of two steps
   and the same figures (tests/planner/test_fake_steps.py).
 - ``forward_backward``: one micro-step without an optimizer step, for the activation side of a plan
   (its peak, FLOPs including recomputation, and operator count).
@@ -158,9 +159,8 @@ class _Phases:
     """Splits a tracker's peak into the forward/backward phase and the optimizer phase of the last
     optimizer step, through the global optimizer step hooks."""
 
-    def __init__(self, tracker: MemoryTracker, allocator: CachingAllocatorModel | None = None) -> None:
-        self.tracker, self.allocator = tracker, allocator
-        self.fb_allocated = 0  # the simulated CUDA allocator's peak before the first optimizer step
+    def __init__(self, tracker: MemoryTracker) -> None:
+        self.tracker = tracker
         self.fb = Phase()
         self.opt = Phase()
         self.depth = 0  # ZeRO-1's step calls the inner optimizer's: only the outermost step is a phase
@@ -177,8 +177,6 @@ class _Phases:
         if self.depth > 1:
             return
         self.fb = self._snapshot()
-        if self.allocator is not None and not self.fb_allocated:
-            self.fb_allocated = self.allocator.peak_allocated
         self.overall = max(getattr(self, "overall", Phase()), self.fb, key=lambda p: p.peak)
         self.reset()
 
@@ -316,7 +314,8 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
             if allocator is not None:  # allocated before the step's first kernels: workspaces, DDP's buckets
                 for i, n in enumerate(CUBLAS_BLOCKS + _chunks(buckets, DDP_BUCKET)):
                     allocator.malloc(("before the step", i), n)
-            phases = _Phases(tracker, allocator)
+            phases = _Phases(tracker)
+            first = len(allocator.trace) if allocator is not None else 0
             try:
                 with _data_dependent_is_config_error(cfg):
                     for i in range(micro_steps):
@@ -332,9 +331,8 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
             fb.peak += state
             fb.breakdown["optimizer_state"] = fb.breakdown.get("optimizer_state", 0) + state
             overall = max(overall, fb, key=lambda p: p.peak)
-            if allocator is not None:  # the state's blocks are allocated through the second forward/backward
-                allocator.peak_allocated = max(allocator.peak_allocated, phases.fb_allocated + state)
-                allocator.peak_reserved = max(allocator.peak_reserved, allocator.peak_allocated)
+            if allocator is not None:  # the second step's requests, on the first's segments and beside its state
+                allocator.replay(first)
     for phase in {id(p): p for p in (overall, phases.fb, phases.opt)}.values():  # overall is one of them
         phase.peak += buckets
         phase.breakdown["communication"] = phase.breakdown.get("communication", 0) + buckets

@@ -108,3 +108,29 @@ def test_follows_the_cuda_allocator(seed):
     print(f"seed {seed}: first difference at step {first_difference}")
     live.clear()
     torch.cuda.empty_cache()
+
+
+def test_replaying_a_step_is_the_second_step_with_the_first_ones_state_kept():
+    """A step allocates activations, frees them, then creates state that stays (Adam's, in its first
+    optimizer step) in the holes they left: the second step's activations no longer fit the segments and
+    reserve more. ``replay`` of the first step's requests gives what running the second step gives."""
+    def step(a, tag, first):
+        for i in range(4):
+            a.malloc((tag, "act", i), (3 + i) * MiB)
+        for i in range(4):
+            a.free((tag, "act", i))
+        if first:
+            for i in range(3):
+                a.malloc(("state", i), 4 * MiB)
+        a.malloc((tag, "tmp"), 7 * MiB)
+        a.free((tag, "tmp"))
+
+    twice, replayed = CachingAllocatorModel(), CachingAllocatorModel()
+    step(twice, 1, True)
+    step(twice, 2, False)
+    step(replayed, 1, True)
+    once = (replayed.peak_allocated, replayed.peak_reserved)
+    replayed.replay(0)
+    assert (replayed.allocated, replayed.reserved, replayed.peak_allocated, replayed.peak_reserved) == \
+        (twice.allocated, twice.reserved, twice.peak_allocated, twice.peak_reserved)
+    assert twice.peak_reserved > once[1]  # the second step's fragmentation is what replay adds
