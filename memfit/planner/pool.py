@@ -38,7 +38,10 @@ class WorkerDied(RuntimeError):
 def _serve(conn: Connection, initializer: Callable[..., None], initargs: tuple) -> None:
     initializer(*initargs)
     while True:
-        message = conn.recv()
+        try:
+            message = conn.recv()
+        except EOFError:  # the parent is gone
+            return
         if message is None:
             return
         key, fn, args = message
