@@ -75,12 +75,15 @@ class Pool:
         ctx = multiprocessing.get_context("fork")
         self.workers = [_Worker(ctx, initializer, initargs) for _ in range(n)]
 
-    def _pick(self, worker: _Worker, pending: dict[Hashable, Job]) -> Hashable:
-        """The job whose cold cost on ``worker`` exceeds its least on any worker by the least; longest first."""
-        def extra(job: Job) -> float:
+    def _pick(self, idle: list[_Worker], pending: dict[Hashable, Job]) -> tuple[_Worker, Hashable]:
+        """The idle worker and job for which the job's cold cost there exceeds its least on any worker by the
+        least; longest first. Over all idle workers at once, so a job waits for no one but finds the warm one
+        among those free."""
+        def extra(worker: _Worker, job: Job) -> float:
             return worker.cold_cost(job) - min(w.cold_cost(job) for w in self.workers)
 
-        return min(pending, key=lambda k: (extra(pending[k]), -pending[k].cost))
+        return min(((w, k) for w in idle for k in pending),
+                   key=lambda wk: (extra(wk[0], pending[wk[1]]), -pending[wk[1]].cost))
 
     def run(self, jobs: dict[Hashable, Job], done: Callable[[Hashable, bool, Any], bool]) -> None:
         """Run ``jobs``; ``done(key, ok, value)`` gets each result (``ok`` False: ``value`` is the raised
@@ -88,12 +91,11 @@ class Pool:
         pending = dict(jobs)
         going = True
         while True:
-            for w in self.workers:
-                if w.job is None and pending and going:
-                    w.job = self._pick(w, pending)
-                    job = pending.pop(w.job)
-                    w.warm.update(job.kinds)
-                    w.conn.send((w.job, job.fn, job.args))
+            while going and pending and (idle := [w for w in self.workers if w.job is None]):
+                w, key = self._pick(idle, pending)
+                w.job, job = key, pending.pop(key)
+                w.warm.update(job.kinds)
+                w.conn.send((w.job, job.fn, job.args))
             busy = [w for w in self.workers if w.job is not None]
             if not busy:
                 return

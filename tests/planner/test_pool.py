@@ -57,6 +57,20 @@ def test_steps_of_a_kind_stay_with_the_worker_warm_for_it_and_a_later_one_follow
     assert not any(w.process.is_alive() for w in pool.workers)
 
 
+def test_a_later_step_finds_the_warm_worker_whichever_it_is():
+    """The second worker warmed the FSDP kind (the first took a longer plain step): with both free, a later
+    FSDP step goes to the second, not to the first one free in the list."""
+    pool = Pool(2, _init)
+    try:
+        pids = _run(pool, {"long": Job(_pid_after, (0.05,), 3.0),
+                           "fsdp": Job(_pid_after, (0.05,), 2.0, {"dtensor": 2.5})})
+        assert pids["long"] != pids["fsdp"]
+        later = _run(pool, {"verify": Job(_pid_after, (0.0,), 2.0, {"dtensor": 2.5})})
+        assert later["verify"] == pids["fsdp"]
+    finally:
+        pool.close()
+
+
 def test_a_steps_exception_comes_back_and_a_dead_worker_is_one_line():
     pool = Pool(2, _init)
     try:
