@@ -102,11 +102,16 @@ def _canonical(cfg: dict, full: bool, steps: int) -> str:
     if isinstance(ow, dict):
         c["optim_wrapper"] = {"accumulative_counts": 1, **ow}
     strategy = c["strategy"] = c.get("strategy")  # no strategy key is None: the runner's default either way
-    if isinstance(strategy, dict) and strategy.get("type") == "FSDPStrategy":
+    if _fsdp(c):
         # On CPU (fake) tensors FSDP's CPU offload moves nothing: the step holds what the same step without it
         # holds (measured equal, phase by phase); what leaves a CUDA device is taken out by the predictor.
         c["strategy"] = {"reshard_after_forward": True, **strategy, "cpu_offload": False}
     return json.dumps([c, full, steps if full else 1], sort_keys=True, default=repr)
+
+
+def _fsdp(cfg: dict) -> bool:
+    strategy = cfg.get("strategy")
+    return isinstance(strategy, dict) and strategy.get("type") == "FSDPStrategy"
 
 
 def _cost(cfg: dict, full: bool, steps: int) -> float:
@@ -116,8 +121,18 @@ def _cost(cfg: dict, full: bool, steps: int) -> float:
         return 1.0
     ow = cfg.get("optim_wrapper")
     counts = ow.get("accumulative_counts", 1) if isinstance(ow, dict) else 1
-    strategy = cfg.get("strategy")
-    return steps * (counts + 0.4) + 0.5 * (isinstance(strategy, dict) and strategy.get("type") == "FSDPStrategy")
+    return steps * (counts + 0.4) + 0.5 * _fsdp(cfg)
+
+
+def _kinds(cfg: dict, full: bool) -> dict[Any, float]:
+    """The caches a step warms in a worker, each with its cold cost in fake forward/backward steps
+    (:mod:`memfit.planner.pool`): FakeTensorMode's per precision and micro-batch, DTensor's under FSDP."""
+    ow = cfg.get("optim_wrapper")
+    dtype = ow.get("dtype") if isinstance(ow, dict) else None
+    kinds: dict[Any, float] = {("shapes", str(dtype), cfg["train_dataloader"]["batch_size"]): 0.25}
+    if full and _fsdp(cfg):
+        kinds["dtensor"] = 2.5
+    return kinds
 
 
 class Runs:
@@ -161,21 +176,10 @@ class Runs:
             raise out
         return out
 
-    def _kinds(self, cfg: dict, full: bool) -> dict[Any, float]:
-        """The caches a step warms in a worker, each with its cold cost in fake forward/backward steps
-        (:mod:`memfit.planner.pool`): FakeTensorMode's per precision and micro-batch, DTensor's under FSDP."""
-        ow = cfg.get("optim_wrapper")
-        dtype = ow.get("dtype") if isinstance(ow, dict) else None
-        kinds: dict[Any, float] = {("shapes", str(dtype), cfg["train_dataloader"]["batch_size"]): 0.25}
-        strategy = cfg.get("strategy")
-        if full and isinstance(strategy, dict) and strategy.get("type") == "FSDPStrategy":
-            kinds["dtensor"] = 2.5
-        return kinds
-
     def _in_workers(self, pending: dict, bar: Any) -> None:
         if self.pool is None:  # forked with _WORKER's meta model
             self.pool = Pool(min(workers(), len(pending)), _init_worker, (self.world,))
-        jobs = {key: Job(_run_one, (cfg, full, steps, self.cuda), _cost(cfg, full, steps), self._kinds(cfg, full))
+        jobs = {key: Job(_run_one, (cfg, full, steps, self.cuda), _cost(cfg, full, steps), _kinds(cfg, full))
                 for key, (cfg, full, steps, _) in pending.items()}
 
         def done(key: str, ok: bool, value: Any) -> bool:
