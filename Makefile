@@ -2,6 +2,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Test files run in this many processes (pytest-xdist; each file's tests stay in one, so module fixtures run once).
+TEST_WORKERS ?= 2
 
 .PHONY: venv demo demo-detection test lint clean
 
@@ -29,7 +31,7 @@ demo-detection: venv $(SHAPES_COCO)
 
 test: venv
 	$(BIN)/ruff check memfit tests benchmarks
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile
 
 lint: venv
 	$(BIN)/ruff check memfit tests benchmarks
