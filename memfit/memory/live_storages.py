@@ -1,0 +1,218 @@
+"""The live-storage tracker behind :class:`memfit.memory.measure.MemoryTracker` on CPU, meta and fake
+tensors: a ``TorchDispatchMode`` that keeps the running total and peak of live storage bytes by category
+(the accounting is described in :mod:`memfit.memory.measure`)."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch._guards import active_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memfit.memory.caching_allocator import CachingAllocatorModel
+from memfit.memory.storages import storages
+
+CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "communication", "inputs")
+# Collectives (eager c10d, functional collectives) and FSDP2's copy-in/copy-out ops around them.
+_COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional", "fsdp"})
+# The labels a collective (or a resize) may override: the others say what a storage is more precisely.
+_OVERRIDABLE = frozenset({"activations", "inputs"})
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+_DEVICE = torch.ops.prim.device.default  # a fake tensor's .device: 2 in 3 of a fake step's calls, no memory
+
+
+class LiveStorages(TorchDispatchMode):
+    """Running total and peak of live storage bytes by category (the CPU/meta/fake backend)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # id(storage) -> [weakref, nbytes, category, serial]. Keyed by identity, not data_ptr: fake and
+        # meta storages have no address, and torch keeps one Python object per storage alive as long as
+        # the storage itself lives, so identity is stable. ``serial`` orders additions: a live storage
+        # with serial <= ``peak_serial`` was alive at the peak.
+        self.live: dict[int, list[Any]] = {}
+        self.current = dict.fromkeys(CATEGORIES, 0)
+        self.total = 0
+        self.peak = 0
+        self.peak_breakdown = dict(self.current)
+        self.serial = 0
+        self.peak_serial = 0
+        self.new_category = "activations"
+        # Called (by the MemoryTracker) to relabel every gradient; due after a reduce-scatter.
+        self.relabel_grads: Callable[[], None] | None = None
+        self.grads_pending = False
+        self._fake_on_entry: Any = None
+        self._orig_resize: Any = None
+        self._orig_propagate: Any = None
+        self.metadata_only = 0  # > 0 while DTensor computes an output's shape on stand-in tensors
+        self.observer: Callable[[Any, Any, Any, Any], None] | None = None  # sees every counted operator
+        self.allocator: CachingAllocatorModel | None = None  # replays every allocation and free
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+    def add(self, st: torch.UntypedStorage, category: str, retroactive: bool = False) -> None:
+        """Count ``st`` under ``category``; a storage seen before only has its size re-read."""
+        key = id(st)
+        entry = self.live.get(key)
+        if entry is not None:
+            n = st.nbytes()
+            if n != entry[1]:  # resized in place (aten.resize_, storage.resize_)
+                self.current[entry[2]] += n - entry[1]
+                self.total += n - entry[1]
+                entry[1] = n
+                if self.allocator is not None:  # another block (FSDP2 resizes between 0 and full size)
+                    self.allocator.free(key)
+                    self.allocator.malloc(key, n)
+            return
+        n = st.nbytes()
+        if self.allocator is not None:
+            self.allocator.malloc(key, n)
+        ref = weakref.ref(st, lambda r, key=key: self._free(key, r))
+        self.serial += 1
+        self.live[key] = [ref, n, category, 0 if retroactive else self.serial]
+        self.current[category] += n
+        self.total += n
+        if retroactive:  # alive since before entry: every earlier moment, the peak included, held it
+            self.peak += n
+            self.peak_breakdown[category] += n
+
+    def relabel(self, st: torch.UntypedStorage, category: str, only_from: frozenset[str] | None = None,
+                retroactive: bool = False) -> None:
+        """Count ``st`` under ``category`` from now on; ``retroactive``: at the peak too if it was alive then
+        (what the storage already was, learnt late). ``only_from`` limits which labels are overridden."""
+        entry = self.live.get(id(st))
+        if entry is None:
+            self.add(st, category)
+            return
+        old = entry[2]
+        if old == category or (only_from is not None and old not in only_from):
+            return
+        self.current[old] -= entry[1]
+        self.current[category] += entry[1]
+        entry[2] = category
+        if retroactive and entry[3] <= self.peak_serial:
+            # Clamped: a storage resized since the peak held other bytes then.
+            moved = min(entry[1], self.peak_breakdown[old])
+            self.peak_breakdown[old] -= moved
+            self.peak_breakdown[category] += moved
+
+    def _free(self, key: int, ref: weakref.ref) -> None:
+        entry = self.live.get(key)
+        if entry is not None and entry[0] is ref:
+            del self.live[key]
+            if self.allocator is not None:
+                self.allocator.free(key)
+            self.current[entry[2]] -= entry[1]
+            self.total -= entry[1]
+
+    def update_peak(self) -> None:
+        if self.total > self.peak:
+            self.peak = self.total
+            self.peak_breakdown = dict(self.current)
+            self.peak_serial = self.serial
+
+    def _communication(self, storages: Iterable[torch.UntypedStorage]) -> None:
+        for st in storages:
+            if id(st) in self.live:
+                self.relabel(st, "communication", only_from=_OVERRIDABLE, retroactive=True)
+            else:  # first seen by a collective: a buffer allocated before the step (DDP's buckets)
+                self.add(st, "communication", retroactive=True)
+
+    # -- mode ---------------------------------------------------------------------------------------
+    def __enter__(self) -> LiveStorages:
+        self._fake_on_entry = active_fake_mode()
+        self.peak = self.total
+        self.peak_breakdown = dict(self.current)
+        self.peak_serial = self.serial
+        # Storage.resize_ bypasses the dispatcher (FSDP2 allocates and frees its unsharded parameters
+        # with it); torch's MemTracker patches it the same way.
+        self._orig_resize = orig = torch.UntypedStorage.resize_
+
+        def resize_(st: torch.UntypedStorage, size: int) -> Any:
+            if id(st) not in self.live:  # its bytes before the resize (FSDP2: none) were held all along
+                self.add(st, "communication", retroactive=True)
+            out = orig(st, size)
+            self.add(st, "communication")  # re-reads the size
+            self.relabel(st, "communication", only_from=_OVERRIDABLE, retroactive=True)
+            self.update_peak()
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        if _ShardingPropagator is not None:
+            # The first time DTensor meets an op it runs it on stand-ins of its global shape, in the active
+            # fake mode (ours, under the planner), to learn the output's shape: no memory of the step.
+            self._orig_propagate = propagate = _ShardingPropagator._propagate_tensor_meta_non_cached
+
+            def shapes_only(prop: Any, *args: Any, **kwargs: Any) -> Any:
+                self.metadata_only += 1
+                try:
+                    return propagate(prop, *args, **kwargs)
+                finally:
+                    self.metadata_only -= 1
+
+            _ShardingPropagator._propagate_tensor_meta_non_cached = shapes_only
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+        if self._orig_propagate is not None:
+            _ShardingPropagator._propagate_tensor_meta_non_cached = self._orig_propagate
+        super().__exit__(*exc)
+        # Dropping the weak references drops their finalisers: nothing calls back into a closed tracker.
+        self.live.clear()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _DEVICE and type(args[0]) is FakeTensor:  # FakeTensor's own answer, without a second dispatch
+            return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
+        if _DTensor is not None and any(t is _DTensor for t in types):
+            return NotImplemented  # let DTensor desugar to local tensors, which are what holds memory
+        if self.metadata_only or func is _DEVICE:
+            return func(*args, **(kwargs or {}))
+        comm = func.namespace in _COMM_NAMESPACES
+        # ``torch.tensor(...)`` made inside the step (Adam's first ``step`` counters) reaches the mode as
+        # lift_fresh of a constant made outside the dispatcher: it is new, not an input alive at entry.
+        # A nested fake mode (DTensor sharding propagation) computes metadata only: its tensors are not memory.
+        own = active_fake_mode() is self._fake_on_entry
+        inputs = storages((args, kwargs)) if own and func is not _LIFT_FRESH else ()
+        if comm:
+            self._before_collective(func, args)
+            self._communication(inputs)
+        else:
+            for st in inputs:
+                if id(st) not in self.live:
+                    self.add(st, "inputs", retroactive=True)
+        out = func(*args, **(kwargs or {}))
+        if own and self.observer is not None:
+            self.observer(func, args, kwargs, out)
+        if own:
+            if comm:
+                self._communication(storages(out))
+            else:
+                for st in storages(out):
+                    self.add(st, self.new_category)
+            self.update_peak()
+        if comm and "reduce_scatter" in func.__name__:
+            self.grads_pending = True
+        return out
+
+    def _before_collective(self, func: Any, args: Any) -> None:
+        """Gradients are found at collectives, not at every op (that would cost O(parameters) per op).
+        The walk a reduce-scatter makes due waits for the next collective: the ops right after it
+        (views of its output, dtype casts) run before FSDP2 assigns the sharded gradients, and a walk
+        later than the peak still corrects it (``relabel``)."""
+        if self.grads_pending and self.relabel_grads is not None:
+            self.relabel_grads()
+        if func.namespace == "fsdp" and func.__name__.startswith("chunk_cat"):
+            # FSDP2 packs the unsharded gradients autograd computed into the reduce-scatter input.
+            for st in storages(args[0]):
+                self.relabel(st, "gradients", only_from=_OVERRIDABLE, retroactive=True)
+
+
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator as _ShardingPropagator
+except ImportError:  # torch built without distributed
+    _DTensor = _ShardingPropagator = None
