@@ -51,6 +51,9 @@ class LiveStorages(TorchDispatchMode):
         self.metadata_only = 0  # > 0 while DTensor computes an output's shape on stand-in tensors
         self.observer: Callable[[Any, Any, Any, Any], None] | None = None  # sees every counted operator
         self.allocator: CachingAllocatorModel | None = None  # replays every allocation and free
+        # Told of every allocation and free, in order (the planner's recorded timeline, memfit.planner.recompute).
+        self.timeline: Any = None
+        self.stand_ins: set[int] = set()  # ids of storages that are not the step's memory (the timeline's)
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def add(self, st: torch.UntypedStorage, category: str, retroactive: bool = False) -> None:
@@ -66,10 +69,15 @@ class LiveStorages(TorchDispatchMode):
                 if self.allocator is not None:  # another block (FSDP2 resizes between 0 and full size)
                     self.allocator.free(key)
                     self.allocator.malloc(key, n)
+                if self.timeline is not None:
+                    self.timeline.free(key)
+                    self.timeline.alloc(key, n, False)
             return
         n = st.nbytes()
         if self.allocator is not None:
             self.allocator.malloc(key, n)
+        if self.timeline is not None:
+            self.timeline.alloc(key, n, retroactive)
         ref = weakref.ref(st, lambda r, key=key: self._free(key, r))
         self.serial += 1
         self.live[key] = [ref, n, category, 0 if retroactive else self.serial]
@@ -105,6 +113,8 @@ class LiveStorages(TorchDispatchMode):
             del self.live[key]
             if self.allocator is not None:
                 self.allocator.free(key)
+            if self.timeline is not None:
+                self.timeline.free(key)
             self.current[entry[2]] -= entry[1]
             self.total -= entry[1]
 
@@ -182,7 +192,7 @@ class LiveStorages(TorchDispatchMode):
             self._communication(inputs)
         else:
             for st in inputs:
-                if id(st) not in self.live:
+                if id(st) not in self.live and id(st) not in self.stand_ins:
                     self.add(st, "inputs", retroactive=True)
         out = func(*args, **(kwargs or {}))
         if own and self.observer is not None:
@@ -192,7 +202,8 @@ class LiveStorages(TorchDispatchMode):
                 self._communication(storages(out))
             else:
                 for st in storages(out):
-                    self.add(st, self.new_category)
+                    if id(st) not in self.stand_ins:
+                        self.add(st, self.new_category)
             self.update_peak()
         if comm and "reduce_scatter" in func.__name__:
             self.grads_pending = True

@@ -115,6 +115,11 @@ class MemoryTracker:
         self._fsdp: list[Any] = []
 
     @property
+    def live_storages(self) -> LiveStorages | None:
+        """The live-storage dispatch mode while the CPU/fake tracker is inside its block (else None)."""
+        return self._mode
+
+    @property
     def uses_allocator(self) -> bool:
         return self.device.type == "cuda"
 

@@ -80,6 +80,8 @@ class StepMeasurement:
     # CUDA targets: the caching allocator's peaks, simulated over the run (cuBLAS workspaces included).
     cuda_allocated: int = 0
     cuda_reserved: int = 0
+    # A recorded forward/backward (measure_step's ``record``), from which checkpointing choices are composed.
+    timeline: Any = None
 
 
 @contextlib.contextmanager
@@ -256,19 +258,23 @@ def first_batch(loader_cfg: dict) -> Any:
 
 
 def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model: nn.Module | None = None,
-                 steps: int = 2, cuda: bool = False) -> StepMeasurement:
+                 steps: int = 2, cuda: bool = False, record: tuple[str, ...] | None = None) -> StepMeasurement:
     """Run the config's training step on fake tensors inside the current (fake) process group.
 
     ``full``: two optimizer steps (see the module docstring); otherwise one micro-step's forward and
     backward. ``batch`` defaults to the first batch of ``cfg['train_dataloader']``; ``meta_model``
     (a model already built on meta) is copied instead of building the config's model again. ``cuda``:
     the target is a CUDA device, so autocast casts as CUDA's does (:mod:`memfit.planner.cuda_autocast`).
+    ``record``: a forward/backward run records its timeline (:mod:`memfit.planner.recompute`), with the calls
+    of the modules so named as the regions checkpointing choices are composed over; its own figures are then
+    not the step's (the recording keeps no saved tensor): compose them from ``timeline``.
     """
     import time
 
     from memfit.connector import setup
     from memfit.optim.builder import scale_lr_cfg
     from memfit.planner.cuda_autocast import cuda_autocast_on_cpu
+    from memfit.planner.recompute import Recorder
     from memfit.precision import precision_options
     from memfit.strategies import DDPStrategy, build_strategy
 
@@ -309,15 +315,22 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
         wrapper.initialize_count_status(model, 0, micro_steps if full else 2)
         counter = _OpCounter()
         allocator = CachingAllocatorModel() if cuda else None
-        with counter, MemoryTracker(model, wrapper.optimizer, observer=counter, allocator=allocator) as tracker, \
+        recorder = None
+        if record is not None and not full:
+            modules = dict(model.named_modules())
+            recorder = Recorder({n: modules[n] for n in record if n in modules}, allocator)
+        observer = recorder.observe(counter) if recorder is not None else counter
+        with counter, MemoryTracker(model, wrapper.optimizer, observer=observer, allocator=allocator) as tracker, \
                 cuda_autocast_on_cpu(cuda):
             if allocator is not None:  # allocated before the step's first kernels: workspaces, DDP's buckets
                 for i, n in enumerate(CUBLAS_BLOCKS + _chunks(buckets, DDP_BUCKET)):
                     allocator.malloc(("before the step", i), n)
             phases = _Phases(tracker)
             first = len(allocator.trace) if allocator is not None else 0
+            if recorder is not None:
+                recorder.mode = tracker.live_storages
             try:
-                with _data_dependent_is_config_error(cfg):
+                with _data_dependent_is_config_error(cfg), recorder or contextlib.nullcontext():
                     for i in range(micro_steps):
                         counter.counting = (i == micro_steps - 1) if not full else i >= micro_steps - counts
                         model.train_step(batch, optim_wrapper=wrapper)
@@ -343,7 +356,8 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
                            written=counter.written // (counts if full else 1),
                            comm=dict(counter.comm), seconds=time.perf_counter() - start,
                            cuda_allocated=allocator.peak_allocated if allocator else 0,
-                           cuda_reserved=allocator.peak_reserved if allocator else 0)
+                           cuda_reserved=allocator.peak_reserved if allocator else 0,
+                           timeline=recorder.timeline if recorder is not None else None)
 
 
 def _chunks(total: int, size: int) -> tuple[int, ...]:

@@ -22,6 +22,7 @@ The recommended plan is then run whole (1) and replaced by its measurement befor
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 from dataclasses import dataclass, field, replace
@@ -31,11 +32,13 @@ from memfit.errors import ConfigError
 from memfit.planner import devices
 from memfit.planner.cost import ModelState, step_seconds
 from memfit.planner.devices import Device
-from memfit.planner.fake import StepMeasurement, build_meta_model
+from memfit.planner.fake import Phase, StepMeasurement, build_meta_model
+from memfit.planner.recompute import compose
 from memfit.planner.runs import Runs, StepFailed
-from memfit.planner.space import PRECISIONS, ModelFacts, Plan, configured_plan, enumerate_plans
+from memfit.planner.space import PRECISIONS, ModelFacts, Plan, checkpointed_modules, configured_plan, enumerate_plans
 
 AUTO_FIT_MARGIN = 0.05  # the recommended plan leaves 5% of the budget free
+_COMPOSED = ("none", "stages", "blocks", "every2")  # checkpointing choices composed, not run (and firstN)
 
 
 @dataclass
@@ -163,7 +166,7 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
         compose = _Composer(runs, ref, device, world_size, micro)
         runs.collecting = True  # first pass: which fake steps the composition needs; then run them all at once
         runs.run("configured", configured, full=True, steps=1)
-        runs.run("configured-fb", configured, full=False, single=True)
+        compose.configured_fb(configured)
         for p in plans:
             compose(p)
         runs.collecting = False
@@ -172,7 +175,7 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
             own = runs.run("configured", configured, full=True, steps=1)
             # Compute comes from a forward/backward run, as for every composed row (clipping and loss scaling,
             # which a whole step also runs, are outside the model's operators for all rows alike).
-            own_fb = runs.run("configured-fb", configured, full=False, single=True)
+            own_fb = compose.configured_fb(configured)
         except StepFailed as exc:
             raise ConfigError(f"the configured plan ({configured.name}) fails in its fake step: {exc}") from None
         results = [_result(configured, own, own_fb, device, world_size, configured.accumulative_counts, "measured")]
@@ -182,7 +185,7 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
                 results.append(compose(p))
             except StepFailed as exc:
                 failed.setdefault(str(exc), []).append(p)
-        results += _block_subsets(results, len(facts.blocks), budget)
+        results += _block_subsets(results, len(facts.blocks), budget, compose)
         _rank(results, budget)
         recommended = _recommend(results, budget)
         while verify and recommended is not None and results[recommended].source != "measured":
@@ -237,26 +240,71 @@ def _result(plan: Plan, step: StepMeasurement, micro: StepMeasurement, device: D
     return PlanResult(plan, peak, breakdown, allocated, reserved, seconds, source)
 
 
+def compose_checkpointing() -> bool:
+    """Whether checkpointing choices are composed from one recorded forward/backward per precision, Conv-BN
+    choice and micro-batch (:mod:`memfit.planner.recompute`); ``MEMFIT_PLAN_COMPOSE_AC=0`` runs each instead."""
+    return os.environ.get("MEMFIT_PLAN_COMPOSE_AC", "1") != "0"
+
+
 class _Composer:
-    """Composes a plan from its sharding's full step and its activations' forward/backward step."""
+    """Composes a plan from its sharding's full step and its activations' forward/backward step.
+
+    The activations' step of no checkpointing, of stage, block and every-2nd-block checkpointing and of the
+    first N blocks is composed from one recorded forward/backward without checkpointing (exact to the byte
+    against running it, tests/planner/test_recompute.py); selective checkpointing is run. A model whose own
+    checkpointing switch is on runs every choice (its recording would miss what its checkpoints save)."""
 
     def __init__(self, runs: Runs, ref: Plan, device: Device, world_size: int, micro_batches: list[int]) -> None:
+        from memfit.memory.checkpointing import own_switch
+
         self.runs, self.ref, self.device, self.world = runs, ref, device, world_size
         self.grad_bytes = sum(p.numel() * p.element_size() for p in runs.meta.parameters() if p.requires_grad)
         # Two reference points, the configured micro-batch and the next smaller one, give the line
         # along which the batch-dependent bytes and FLOPs run for every smaller micro-batch.
         self.half = max(micro_batches) if micro_batches else None
         self.smallest = min(micro_batches) if micro_batches else None
+        self.recorded = compose_checkpointing() and not any(own_switch(m) for m in runs.meta.modules())
+        self.regions: dict[str, tuple[str, ...]] = {}
+        if self.recorded:
+            facts = runs.facts
+            choices = [c for c in _COMPOSED[1:] if facts.block_types and (c != "stages" or facts.stages)]
+            self.regions = {c: checkpointed_modules(runs.meta, facts, c) for c in choices}
+        self.record = tuple(sorted({*runs.facts.blocks, *(n for names in self.regions.values() for n in names)}))
+        self.composed: dict[tuple, StepMeasurement] = {}
+
+    def _composes(self, choice: str) -> bool:
+        return self.recorded and (choice in _COMPOSED or choice.startswith("first"))
 
     def _act(self, plan: Plan, mb: int) -> StepMeasurement:
         """The single-process forward/backward of ``plan``'s activation choices at micro-batch ``mb``."""
-        ref = self.ref
+        ref, choice = self.ref, plan.activation_checkpointing
+        composes = self._composes(choice)
         act = replace(ref, precision=plan.precision if plan.precision != "fp16" else "bf16",
-                      activation_checkpointing=plan.activation_checkpointing,
+                      activation_checkpointing="none" if composes else choice,
                       efficient_conv_bn_eval=plan.efficient_conv_bn_eval, micro_batch=mb,
                       accumulative_counts=max(ref.micro_batch * ref.accumulative_counts // mb, 1))
-        return self.runs.run(("act", _half(plan), plan.activation_checkpointing, plan.efficient_conv_bn_eval, mb),
-                             act, full=False, single=True)
+        if not composes:
+            return self.runs.run(("act", _half(plan), choice, plan.efficient_conv_bn_eval, mb), act, full=False,
+                                 single=True)
+        recorded = self.runs.run(("record", _half(plan), plan.efficient_conv_bn_eval, mb), act, full=False,
+                                 single=True, record=self.record)
+        if recorded.timeline is None:  # a placeholder, while the runs are being collected
+            return recorded
+        key = (_half(plan), choice, plan.efficient_conv_bn_eval, mb)
+        if key not in self.composed:
+            names = self.runs.facts.blocks[:int(choice[5:])] if choice.startswith("first") else \
+                self.regions.get(choice, ())
+            k = compose(recorded.timeline, names)
+            self.composed[key] = StepMeasurement(k.peak, {}, Phase(k.peak, {}), Phase(), flops=k.flops, ops=k.ops,
+                                                 written=k.written, cuda_allocated=k.cuda_allocated,
+                                                 cuda_reserved=k.cuda_reserved)
+        return self.composed[key]
+
+    def configured_fb(self, configured: Plan) -> StepMeasurement:
+        """The configured plan's forward/backward (its compute): composed when its checkpointing is, else run."""
+        if self._composes(configured.activation_checkpointing):
+            return self._act(configured, configured.micro_batch)
+        return self.runs.run("configured-fb", configured, full=False, single=True)
 
     def _line(self, plan: Plan, mb: int) -> tuple[int, int, int]:
         """(forward/backward peak, FLOPs, bytes written) of ``plan``'s activation choices at micro-batch
@@ -299,11 +347,13 @@ class _Composer:
         return replace(max(results, key=lambda r: r.peak_bytes), seconds=results[0].seconds)
 
 
-def _block_subsets(results: list[PlanResult], blocks: int, budget: int) -> list[PlanResult]:
+def _block_subsets(results: list[PlanResult], blocks: int, budget: int, compose: _Composer) -> list[PlanResult]:
     """The planner's own checkpointing choice: where a plan does not fit without checkpointing but does
-    with every block checkpointed, the fewest first blocks (``ac:firstN``) that fit. Peak and time are
-    interpolated by the share of blocks; the first blocks of a pyramid (Swin, ResNet) hold the largest
-    activations, so the interpolated peak errs high. A recommended subset is re-run whole like any row."""
+    with every block checkpointed, the fewest first blocks (``ac:firstN``) that fit. Composed like any
+    choice from the recorded forward/backward (a bisection over N: the peak falls as blocks are added);
+    where choices are run instead, peak and time are interpolated by the share of blocks, which errs high
+    on pyramids (Swin, ResNet), whose first blocks hold the largest activations. A recommended subset is
+    re-run whole like any row."""
     limit = budget * (1 - AUTO_FIT_MARGIN)
     by_rest = {replace(r.plan, activation_checkpointing="none", configured=False): r for r in results
                if r.plan.activation_checkpointing == "blocks"}
@@ -312,18 +362,40 @@ def _block_subsets(results: list[PlanResult], blocks: int, budget: int) -> list[
         full = by_rest.get(replace(r.plan, configured=False)) if r.plan.activation_checkpointing == "none" else None
         if full is None or blocks < 2 or r.peak_bytes <= limit or full.peak_bytes > limit:
             continue
-        per_block = (r.peak_bytes - full.peak_bytes) / blocks
-        n = min(blocks, max(1, int((r.peak_bytes - limit) / per_block) + 1)) if per_block > 0 else blocks
-        if n >= blocks:
-            continue
-        share = n / blocks
-        peak = int(r.peak_bytes - share * (r.peak_bytes - full.peak_bytes))
-        breakdown = {k: int(v + share * (full.breakdown.get(k, 0) - v)) for k, v in r.breakdown.items()}
-        out.append(PlanResult(replace(r.plan, activation_checkpointing=f"first{n}", configured=False), peak, breakdown,
-                              int(r.allocated + share * (full.allocated - r.allocated)),
-                              int(r.reserved + share * (full.reserved - r.reserved)),
-                              r.seconds + share * (full.seconds - r.seconds)))
+        subset = _fewest_blocks(r.plan, blocks, limit, compose) if compose.recorded else _interpolated(r, full, blocks,
+                                                                                                        limit)
+        if subset is not None:
+            out.append(subset)
     return out
+
+
+def _fewest_blocks(plan: Plan, blocks: int, limit: float, compose: _Composer) -> PlanResult | None:
+    best, lo, hi = None, 1, blocks - 1
+    while lo <= hi:
+        n = (lo + hi) // 2
+        try:
+            r = compose(replace(plan, activation_checkpointing=f"first{n}", configured=False))
+        except StepFailed:
+            return best
+        if r.peak_bytes <= limit:
+            best, hi = r, n - 1
+        else:
+            lo = n + 1
+    return best
+
+
+def _interpolated(r: PlanResult, full: PlanResult, blocks: int, limit: float) -> PlanResult | None:
+    per_block = (r.peak_bytes - full.peak_bytes) / blocks
+    n = min(blocks, max(1, int((r.peak_bytes - limit) / per_block) + 1)) if per_block > 0 else blocks
+    if n >= blocks:
+        return None
+    share = n / blocks
+    peak = int(r.peak_bytes - share * (r.peak_bytes - full.peak_bytes))
+    breakdown = {k: int(v + share * (full.breakdown.get(k, 0) - v)) for k, v in r.breakdown.items()}
+    return PlanResult(replace(r.plan, activation_checkpointing=f"first{n}", configured=False), peak, breakdown,
+                      int(r.allocated + share * (full.allocated - r.allocated)),
+                      int(r.reserved + share * (full.reserved - r.reserved)),
+                      r.seconds + share * (full.seconds - r.seconds))
 
 
 def _rank(results: list[PlanResult], budget: int) -> None:

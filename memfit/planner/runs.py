@@ -61,14 +61,16 @@ def _forked_autograd(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "fork" in str(exc)
 
 
-def _run_one(cfg: dict, full: bool, steps: int, cuda: bool) -> StepMeasurement | StepFailed:
+def _run_one(cfg: dict, full: bool, steps: int, cuda: bool, record: tuple[str, ...] | None = None,
+             ) -> StepMeasurement | StepFailed:
     """The fake step, or why it failed (returned, so that the cache keeps it beside the measurements)."""
     batches = _WORKER.setdefault("batches", {})
     mb = cfg["train_dataloader"]["batch_size"]
     if mb not in batches:
         batches[mb] = first_batch(cfg["train_dataloader"])
     try:
-        return measure_step(cfg, full=full, batch=batches[mb], meta_model=_WORKER["meta"], steps=steps, cuda=cuda)
+        return measure_step(cfg, full=full, batch=batches[mb], meta_model=_WORKER["meta"], steps=steps, cuda=cuda,
+                            record=record)
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - the step's own error, whatever it is, says why the plan cannot run
@@ -85,7 +87,7 @@ def workers() -> int:
     return max(1, min(cores, 4))
 
 
-def _canonical(cfg: dict, full: bool, steps: int) -> str:
+def _canonical(cfg: dict, full: bool, steps: int, record: tuple[str, ...] | None = None) -> str:
     """What a fake step of ``cfg`` runs, as a string: two configs that differ only in how they say the same
     thing (fp16 for bf16, which the fake step measures alike; FSDP's defaults written out or not; the
     technique switches at the top level or under ``cfg``; accumulation a forward/backward run overrides;
@@ -106,7 +108,7 @@ def _canonical(cfg: dict, full: bool, steps: int) -> str:
         # On CPU (fake) tensors FSDP's CPU offload moves nothing: the step holds what the same step without it
         # holds (measured equal, phase by phase); what leaves a CUDA device is taken out by the predictor.
         c["strategy"] = {"reshard_after_forward": True, **strategy, "cpu_offload": False}
-    return json.dumps([c, full, steps if full else 1], sort_keys=True, default=repr)
+    return json.dumps([c, full, steps if full else 1, record], sort_keys=True, default=repr)
 
 
 def _fsdp(cfg: dict) -> bool:
@@ -114,11 +116,11 @@ def _fsdp(cfg: dict) -> bool:
     return isinstance(strategy, dict) and strategy.get("type") == "FSDPStrategy"
 
 
-def _cost(cfg: dict, full: bool, steps: int) -> float:
+def _cost(cfg: dict, full: bool, steps: int, record: tuple[str, ...] | None = None) -> float:
     """A fake step's run time in forward/backward runs, for ordering (fitted on DINO Swin-L's steps): each
-    micro-step one, each optimizer step 0.4, FSDP's wrapping 0.5."""
+    micro-step one, each optimizer step 0.4, FSDP's wrapping 0.5, a recorded forward/backward 1.2."""
     if not full:
-        return 1.0
+        return 1.2 if record is not None else 1.0
     ow = cfg.get("optim_wrapper")
     counts = ow.get("accumulative_counts", 1) if isinstance(ow, dict) else 1
     return steps * (counts + 0.4) + 0.5 * _fsdp(cfg)
@@ -144,7 +146,7 @@ class Runs:
         self.cfg, self.facts, self.meta, self.world, self.cuda = cfg, facts, meta, world_size, cuda
         self.canon: dict[Any, str] = {}  # a caller's key -> the step it names
         self.cache: dict[str, StepMeasurement | StepFailed] = {}
-        self.pending: dict[str, tuple[dict, bool, int, str]] = {}
+        self.pending: dict[str, tuple[dict, bool, int, str, tuple[str, ...] | None]] = {}
         self.collecting = False
         self.progress = progress
         self.pool: Pool | None = None
@@ -158,14 +160,16 @@ class Runs:
             cfg["strategy"] = dict(type="SingleDeviceStrategy")
         return cfg
 
-    def run(self, key: Any, plan: Plan, full: bool, single: bool = False, steps: int = 2) -> StepMeasurement:
+    def run(self, key: Any, plan: Plan, full: bool, single: bool = False, steps: int = 2,
+            record: tuple[str, ...] | None = None) -> StepMeasurement:
         """The fake step of ``plan`` (``full``: ``steps`` optimizer steps, else one forward/backward;
-        ``single``: in one process); ``key`` names it for the caller. Raises :class:`StepFailed`."""
+        ``single``: in one process; ``record``: a forward/backward's timeline, over these regions, see
+        :mod:`memfit.planner.recompute`); ``key`` names it for the caller. Raises :class:`StepFailed`."""
         if key not in self.canon:
             cfg = self._cfg(plan, single)
-            self.canon[key] = _canonical(cfg, full, steps)
+            self.canon[key] = _canonical(cfg, full, steps, record)
             if self.canon[key] not in self.cache and self.canon[key] not in self.pending:
-                self.pending[self.canon[key]] = (cfg, full, steps, plan.name)
+                self.pending[self.canon[key]] = (cfg, full, steps, plan.name, record)
         canon = self.canon[key]
         if canon not in self.cache:
             if self.collecting:
@@ -179,8 +183,8 @@ class Runs:
     def _in_workers(self, pending: dict, bar: Any) -> None:
         if self.pool is None:  # forked with _WORKER's meta model
             self.pool = Pool(min(workers(), len(pending)), _init_worker, (self.world,))
-        jobs = {key: Job(_run_one, (cfg, full, steps, self.cuda), _cost(cfg, full, steps), _kinds(cfg, full))
-                for key, (cfg, full, steps, _) in pending.items()}
+        jobs = {key: Job(_run_one, (cfg, full, steps, self.cuda, record), _cost(cfg, full, steps, record),
+                         _kinds(cfg, full)) for key, (cfg, full, steps, _, record) in pending.items()}
 
         def done(key: str, ok: bool, value: Any) -> bool:
             if not ok:
@@ -230,12 +234,12 @@ class Runs:
             if all(key in self.cache for key in pending):
                 return
             with fake_process_group(self.world):
-                for key, (cfg, full, steps, name) in pending.items():
+                for key, (cfg, full, steps, name, record) in pending.items():
                     if key in self.cache:
                         continue
                     if bar is not None:
                         bar.set_postfix_str(name)
-                    self.cache[key] = _run_one(cfg, full, steps, self.cuda)
+                    self.cache[key] = _run_one(cfg, full, steps, self.cuda, record)
                     if bar is not None:
                         bar.update(1)
         finally:

@@ -105,6 +105,19 @@ def ac_spec(choice: str, facts: ModelFacts) -> Any:
     return spec
 
 
+def checkpointed_modules(model: nn.Module, facts: ModelFacts, choice: str) -> tuple[str, ...]:
+    """The qualified names of the modules a checkpointing choice wraps in ``model`` (a meta model; a copy is
+    wrapped), as :func:`memfit.memory.checkpointing.apply_activation_checkpointing` chooses them."""
+    from memfit.memory.checkpointing import apply_activation_checkpointing
+
+    spec = ac_spec(choice, facts)
+    if spec is None:
+        return ()
+    if choice.startswith("first"):  # the first N blocks: disjoint modules, wrapped as named
+        return tuple(spec)
+    return tuple(apply_activation_checkpointing(copy.deepcopy(model), spec))
+
+
 @dataclass(frozen=True)
 class Plan:
     """One point of the plan space. ``activation_checkpointing``: none | stages | blocks | every2 |
