@@ -148,6 +148,9 @@ class FSDPStrategy(Strategy):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+        from memfit.strategies import dtensor_foreach
+
+        dtensor_foreach.install()  # the optimizer's first foreach step over DTensors, without a quadratic walk
         if self.activation_checkpointing:
             from memfit.memory.checkpointing import apply_activation_checkpointing
 
