@@ -278,7 +278,8 @@ def install(
     return done
 
 
-def _resolve_ops(names: Iterable[Any]) -> set[Any]:
+def resolve_ops(names: Iterable[Any]) -> set[Any]:
+    """The aten op overloads named by ``names`` (``'mm'``, ``'aten.addmm.default'``, or op objects)."""
     ops: set[Any] = set()
     for name in names:
         if isinstance(name, torch._ops.OpOverload):
@@ -306,7 +307,7 @@ def selective_context_fn(save_ops: Iterable[Any] = DEFAULT_SAVE_OPS) -> Callable
 
     Ops are aten names (``'mm'``, ``'aten.addmm.default'``) or op objects.
     """
-    save = _resolve_ops(save_ops)
+    save = resolve_ops(save_ops)
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE

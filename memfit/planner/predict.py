@@ -33,12 +33,12 @@ from memfit.planner import devices
 from memfit.planner.cost import ModelState, step_seconds
 from memfit.planner.devices import Device
 from memfit.planner.fake import Phase, StepMeasurement, build_meta_model
-from memfit.planner.recompute import compose
+from memfit.planner.recompute import CachedTensorMutated, compose
 from memfit.planner.runs import Runs, StepFailed
 from memfit.planner.space import PRECISIONS, ModelFacts, Plan, checkpointed_modules, configured_plan, enumerate_plans
 
 AUTO_FIT_MARGIN = 0.05  # the recommended plan leaves 5% of the budget free
-_COMPOSED = ("none", "stages", "blocks", "every2")  # checkpointing choices composed, not run (and firstN)
+_COMPOSED = ("none", "stages", "blocks", "every2", "selective")  # checkpointing choices composed (and firstN)
 
 
 @dataclass
@@ -249,9 +249,9 @@ def compose_checkpointing() -> bool:
 class _Composer:
     """Composes a plan from its sharding's full step and its activations' forward/backward step.
 
-    The activations' step of no checkpointing, of stage, block and every-2nd-block checkpointing and of the
-    first N blocks is composed from one recorded forward/backward without checkpointing (exact to the byte
-    against running it, tests/planner/test_recompute.py); selective checkpointing is run. A model whose own
+    The activations' step of every checkpointing choice (none, stages, blocks, every 2nd block, selective, the
+    first N blocks) is composed from one recorded forward/backward without checkpointing per precision, Conv-BN
+    choice and micro-batch (equal to running it, tests/planner/test_recompute.py). A model whose own
     checkpointing switch is on runs every choice (its recording would miss what its checkpoints save)."""
 
     def __init__(self, runs: Runs, ref: Plan, device: Device, world_size: int, micro_batches: list[int]) -> None:
@@ -270,7 +270,7 @@ class _Composer:
             choices = [c for c in _COMPOSED[1:] if facts.block_types and (c != "stages" or facts.stages)]
             self.regions = {c: checkpointed_modules(runs.meta, facts, c) for c in choices}
         self.record = tuple(sorted({*runs.facts.blocks, *(n for names in self.regions.values() for n in names)}))
-        self.composed: dict[tuple, StepMeasurement] = {}
+        self.composed: dict[tuple, StepMeasurement | StepFailed] = {}
 
     def _composes(self, choice: str) -> bool:
         return self.recorded and (choice in _COMPOSED or choice.startswith("first"))
@@ -294,10 +294,16 @@ class _Composer:
         if key not in self.composed:
             names = self.runs.facts.blocks[:int(choice[5:])] if choice.startswith("first") else \
                 self.regions.get(choice, ())
-            k = compose(recorded.timeline, names)
+            try:
+                k = compose(recorded.timeline, names, selective=choice == "selective")
+            except CachedTensorMutated as exc:
+                self.composed[key] = StepFailed(f"RuntimeError: {exc}")
+                raise self.composed[key] from None
             self.composed[key] = StepMeasurement(k.peak, {}, Phase(k.peak, {}), Phase(), flops=k.flops, ops=k.ops,
                                                  written=k.written, cuda_allocated=k.cuda_allocated,
                                                  cuda_reserved=k.cuda_reserved)
+        if isinstance(self.composed[key], StepFailed):
+            raise self.composed[key]
         return self.composed[key]
 
     def configured_fb(self, configured: Plan) -> StepMeasurement:

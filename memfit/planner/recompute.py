@@ -39,12 +39,13 @@ _DETACH = torch.ops.aten.detach.default
 # Timeline events, in program order (tuples; ``uid`` names a storage for the whole recording).
 ALLOC = 0  # (ALLOC, uid, nbytes, retroactive): a storage made (or, retroactive, first seen: alive before)
 FREE = 1  # (FREE, uid): the program dropped it (nothing the recording saved holds it)
-OP = 2  # (OP, flops, written): an operator the planner's counter counted
+OP = 2  # (OP, flops, written, cached): an operator the counter counted (cached: selective checkpointing keeps it)
 PACK = 3  # (PACK, hid, uid, calls, requires_grad, output): autograd saved a tensor, inside these region calls
 UNPACK = 4  # (UNPACK, hid, detached): backward asked for it (and autograd detached what the hook gave)
 RELEASE = 5  # (RELEASE, hid): autograd dropped what it saved
 ENTER = 6  # (ENTER, call, input uids): a region's forward began (``calls[call]`` is its module's name)
 EXIT = 7  # (EXIT, call)
+WRITE = 8  # (WRITE, uid): an in-place operator wrote to the storage
 
 
 class _Saved:
@@ -98,6 +99,10 @@ class Recorder:
         self._handles: list[Any] = []
         self._hooks: Any = None
         self._unpacked = 0  # id of the storage the last unpack handed to autograd
+        from memfit.memory.checkpointing import DEFAULT_SAVE_OPS, resolve_ops
+
+        self._kept = frozenset(resolve_ops(DEFAULT_SAVE_OPS))  # what selective checkpointing keeps
+        self._written: dict[Any, tuple[int, ...]] = {}  # op -> the positions of the arguments it writes
 
     # -- the tracker's allocations and frees --------------------------------------------------------------
     def alloc(self, key: int, nbytes: int, retroactive: bool) -> None:
@@ -126,9 +131,21 @@ class Recorder:
                 # checkpointed region's unpacks go through hooks, so it is counted there).
                 self.events[-1] = (UNPACK, self.events[-1][1], True)
                 return
-            self.events.append((OP, counter.flops - flops, counter.written - written))
+            self.events.append((OP, counter.flops - flops, counter.written - written, func in self._kept))
+            for i in self._writes(func):
+                if i < len(args) and isinstance(args[i], torch.Tensor) and args[i].layout is torch.strided:
+                    uid = self._uids.get(id(args[i].untyped_storage()))
+                    if uid is not None:
+                        self.events.append((WRITE, uid))
 
         return observer
+
+    def _writes(self, func: Any) -> tuple[int, ...]:
+        if func not in self._written:
+            args = func._schema.arguments
+            self._written[func] = tuple(i for i, a in enumerate(args) if a.alias_info is not None
+                                        and a.alias_info.is_write and not a.kwarg_only)
+        return self._written[func]
 
     # -- autograd's saved tensors --------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> _Saved:
@@ -220,13 +237,23 @@ class _Index:
         self.exit: dict[int, int] = {}
         self.packs: dict[int, list[int]] = {}  # call -> hids saved inside it
         self.allocs: list[tuple[int, int, int, bool]] = []  # (index, uid, nbytes, retroactive)
+        self.alloc_at: dict[int, int] = {}
+        self.cached: set[int] = set()  # uids made by an operator selective checkpointing keeps
+        self.writes: dict[int, list[int]] = {}  # uid -> indices of in-place writes to it
         self.flops = self.ops = self.written = 0
+        kept = False
         for i, ev in enumerate(tl.events):
             kind = ev[0]
             if kind == ALLOC:
                 self.allocs.append((i, ev[1], ev[2], ev[3]))
+                self.alloc_at[ev[1]] = i
+                if kept and not ev[3]:
+                    self.cached.add(ev[1])
             elif kind == OP:
                 self.flops, self.ops, self.written = self.flops + ev[1], self.ops + 1, self.written + ev[2]
+                kept = ev[3]
+            elif kind == WRITE:
+                self.writes.setdefault(ev[1], []).append(i)
             elif kind == FREE:
                 self.free_at[ev[1]] = i
             elif kind == PACK:
@@ -265,76 +292,116 @@ class Composed:
     cuda_reserved: int = 0
 
 
-def compose(tl: Timeline, regions: Iterable[str]) -> Composed:
+class CachedTensorMutated(RuntimeError):
+    """Selective checkpointing keeps a tensor that an in-place operator then overwrites: torch refuses it in
+    backward, with this message."""
+
+
+def compose(tl: Timeline, regions: Iterable[str], selective: bool = False) -> Composed:
     """The recorded step with the calls of the modules named in ``regions`` checkpointed (a call inside
-    another checkpointed one is not checkpointed again, as memfit's install never wraps twice)."""
+    another checkpointed one is not checkpointed again, as memfit's install never wraps twice).
+
+    ``selective``: torch's selective checkpointing with memfit's policy (the outputs of the GEMM and attention
+    operators are kept from forward and not recomputed: ``DEFAULT_SAVE_OPS``); raises
+    :class:`CachedTensorMutated` where that step would fail."""
     names = set(regions)
     ix = tl.index
     chosen = {c for c, name in enumerate(tl.calls) if name in names}
     chosen = {c for c in chosen if not chosen.intersection(tl.parents[c])}
-    items: list[tuple] = []  # (index, phase, seq, alloc?, key, nbytes, retroactive)
-    frees: dict[int, int] = {}  # uid -> index it is freed after (uids whose free moves)
+    end = (ix.end, 1, 0)
+    # When each storage is freed, as (index, phase, seq): after event ``index`` (phase 1), or at step ``seq``
+    # of a recomputation run just before it (phase -1). By default when the program drops it.
+    free = {uid: (i, 1, 0) for uid, i in ix.free_at.items()}
+
+    def hold(uid: int, until: tuple[int, int, int]) -> None:
+        free[uid] = max(free.get(uid, end), until)
 
     # 1-2: holders saved inside a checkpointed call are dropped; its frame keeps its inputs until its last
     # holder is released (or until it returns, when it saved nothing).
     frame: dict[int, int] = {}
     for c in chosen:
-        hids = ix.packs.get(c, [])
-        frame[c] = max((ix.release(h) for h in hids), default=ix.exit.get(c, ix.end))
+        frame[c] = max((ix.release(h) for h in ix.packs.get(c, [])), default=ix.exit.get(c, ix.end))
         for uid in ix.enter[c][1]:
-            frees[uid] = max(frees.get(uid, -1), frame[c])
+            hold(uid, (frame[c], 1, 0))
     for uid, hids in ix.holders.items():
-        kept = [ix.release(h) for h in hids if not chosen.intersection(ix.saved[h][1])]
-        at = max([ix.free_at.get(uid, ix.end), *kept])
-        frees[uid] = max(frees.get(uid, -1), at)
+        for h in hids:
+            if not chosen.intersection(ix.saved[h][1]):
+                hold(uid, (ix.release(h), 1, 0))
+    items: list[tuple] = []  # (index, phase, seq, alloc?, key, nbytes, retroactive)
     flops, ops, written = ix.flops, ix.ops, ix.written
+    for c in sorted(chosen):
+        more = _recompute(tl, c, frame[c], selective, items, hold)
+        flops, ops, written = flops + more[0], ops + more[1], written + more[2]
     for i, uid, nbytes, retro in ix.allocs:
         items.append((i, 0, 0, True, uid, nbytes, retro))
-        at = ix.free_at.get(uid, ix.end)
-        if uid in frees:
-            at = max(at, frees[uid])
-        if at < ix.end:
-            items.append((at, 1, 0, False, uid, 0, False))
-
-    # 3: each checkpointed call that backward reaches runs its forward again when its first holder is unpacked.
-    for c in sorted(chosen):
-        hids = ix.packs.get(c, [])
-        # Through checkpoint's hooks: saved outputs are not detached when saved, unpacks are, as recorded.
-        ops += sum((h in ix.detached) - ix.saved[h][4] for h in hids)
-        unpacks = [ix.unpacked[h] for h in hids if h in ix.unpacked]
-        if not unpacks:
-            continue
-        at, last = min(unpacks), max(ix.saved[h][2] for h in hids)
-        needed: dict[int, int] = {}  # uid -> when its last holder in this call is released
-        for h in hids:
-            uid = ix.saved[h][0]
-            if uid is not None:
-                needed[uid] = max(needed.get(uid, -1), ix.release(h))
-        ops += sum(ix.saved[h][3] for h in hids)  # the recomputation's hook detaches what requires grad
-        made: list[int] = []
-        live: set[int] = set()
-        seq = 0
-        for ev in tl.events[ix.enter[c][0] + 1:last]:
-            kind = ev[0]
-            if kind == ALLOC and not ev[3]:
-                seq += 1
-                items.append((at, -1, seq, True, (c, ev[1]), ev[2], False))
-                made.append(ev[1])
-                live.add(ev[1])
-            elif kind == FREE and ev[1] in live and ev[1] not in needed:
-                seq += 1
-                live.discard(ev[1])
-                items.append((at, -1, seq, False, (c, ev[1]), 0, False))
-            elif kind == OP:
-                flops, ops, written = flops + ev[1], ops + 1, written + ev[2]
-        seq += 1
-        for uid in made:
-            if uid in needed:
-                if needed[uid] < ix.end:
-                    items.append((needed[uid], 1, 0, False, (c, uid), 0, False))
-            elif uid in live:
-                items.append((at, -1, seq, False, (c, uid), 0, False))
+        at = free.get(uid, end)
+        if at < end:
+            items.append((*at, False, uid, 0, False))
     return _replay(tl, items, flops, ops, written)
+
+
+def _recompute(tl: Timeline, c: int, frame: int, selective: bool, items: list[tuple],
+               hold: Any) -> tuple[int, int, int]:
+    """3: checkpointed call ``c``, which backward reaches, runs its forward again when its first holder is
+    unpacked: its allocations and frees go into ``items``; the (FLOPs, ops, bytes written) it adds. Under
+    selective checkpointing the kept operators' outputs stay from forward (``hold``) and are not run again."""
+    ix = tl.index
+    hids = ix.packs.get(c, [])
+    start = ix.enter[c][0]
+    cached = {u for u in ix.cached if start < ix.alloc_at[u] < ix.exit.get(c, ix.end)} if selective else set()
+    # Through checkpoint's hooks saved outputs are not detached when saved, unpacks are (as recorded); selective
+    # checkpointing detaches each output it keeps.
+    ops = sum((h in ix.detached) - ix.saved[h][4] for h in hids) + len(cached)
+    unpacks = [ix.unpacked[h] for h in hids if h in ix.unpacked]
+    if not unpacks:
+        for uid in cached:
+            hold(uid, (frame, 1, 0))
+        return 0, ops, 0
+    at, last = min(unpacks), max(ix.saved[h][2] for h in hids)
+    for uid in cached:
+        if ix.alloc_at[uid] > last:  # never reached: kept until the frame goes
+            hold(uid, (frame, 1, 0))
+        elif any(ix.alloc_at[uid] < w < at for w in ix.writes.get(uid, ())):
+            raise CachedTensorMutated("Tensor cached during selective activation checkpoint has been mutated")
+    needed: dict[int, int] = {}  # uid -> when its last holder in this call is released
+    for h in hids:
+        uid = ix.saved[h][0]
+        if uid is not None:
+            needed[uid] = max(needed.get(uid, -1), ix.release(h))
+    ops += sum(ix.saved[h][3] for h in hids)  # the recomputation's hook detaches what requires grad
+    flops = written = seq = 0
+    made: list[int] = []
+    live: set[int] = set()
+    kept = False
+    for ev in tl.events[start + 1:last]:
+        kind = ev[0]
+        if kind == OP:
+            kept = ev[3] and selective
+            if not kept:
+                flops, ops, written = flops + ev[1], ops + 1, written + ev[2]
+        elif kind == ALLOC and not ev[3]:
+            seq += 1
+            if ev[1] not in cached:
+                items.append((at, -1, seq, True, (c, ev[1]), ev[2], False))
+            made.append(ev[1])
+            live.add(ev[1])
+        elif kind == FREE and ev[1] in live and ev[1] not in needed:
+            seq += 1
+            live.discard(ev[1])
+            if ev[1] in cached:
+                hold(ev[1], (at, -1, seq))
+            else:
+                items.append((at, -1, seq, False, (c, ev[1]), 0, False))
+    seq += 1
+    for uid in made:
+        until = (needed[uid], 1, 0) if uid in needed else (at, -1, seq) if uid in live else None
+        if until is None:
+            continue
+        if uid in cached:
+            hold(uid, until)
+        elif until[0] < ix.end:
+            items.append((*until, False, (c, uid), 0, False))
+    return flops, ops, written
 
 
 def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int) -> Composed:

@@ -55,7 +55,8 @@ def _compare(cfg: dict, batch, choices: tuple[str, ...]) -> None:
 
         timeline = run("none", record=record).timeline
         for choice in ("none", *choices):
-            measured, composed = run(choice), compose(timeline, names.get(choice, ()))
+            measured = run(choice)
+            composed = compose(timeline, names.get(choice, ()), selective=choice == "selective")
             what = f"{choice}: measured {measured.peak}, composed {composed.peak}"
             assert abs(composed.peak - measured.peak) <= SLACK, what
             assert abs(composed.cuda_allocated - measured.cuda_allocated) <= SLACK, what
@@ -70,13 +71,13 @@ def _compare(cfg: dict, batch, choices: tuple[str, ...]) -> None:
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_vit_choices_compose_as_they_run(precision):
     cfg = _cfg(VIT, batch=16, precision=precision)
-    _compare(cfg, first_batch(cfg["train_dataloader"]), ("blocks", "every2", "first2"))
+    _compare(cfg, first_batch(cfg["train_dataloader"]), ("blocks", "every2", "first2", "selective"))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_swin_stages_and_blocks_compose_as_they_run(precision):
     cfg = _cfg(SWIN, image=64, batch=8, precision=precision)
-    _compare(cfg, first_batch(cfg["train_dataloader"]), ("stages", "blocks", "every2", "first1"))
+    _compare(cfg, first_batch(cfg["train_dataloader"]), ("stages", "blocks", "every2", "first1", "selective"))
 
 
 def test_dino_encoder_decoder_and_backbone_choices_compose_as_they_run():
@@ -84,7 +85,7 @@ def test_dino_encoder_decoder_and_backbone_choices_compose_as_they_run():
     and whole encoder/decoder layers called with keyword tensors (query_pos, reference points)."""
     model = copy.deepcopy(Config.fromfile(DINO).to_dict()["model"])
     cfg = _cfg(model, image=64)
-    _compare(cfg, shapes_detection_batch([0, 1]), ("stages", "blocks", "every2"))
+    _compare(cfg, shapes_detection_batch([0, 1]), ("stages", "blocks", "every2", "selective"))
 
 
 class _Block(nn.Module):
@@ -116,7 +117,7 @@ class _KeywordNet(BaseModel):
 def test_keyword_inputs_stay_with_the_checkpoint_frame():
     cfg = dict(model=_KeywordNet(), optim_wrapper=dict(type="OptimWrapper", optimizer=dict(type="SGD", lr=0.1)),
                train_dataloader=dict(batch_size=8))
-    _compare(cfg, (torch.randn(8, 16, 64), torch.randint(0, 4, (8,))), ("blocks", "every2"))
+    _compare(cfg, (torch.randn(8, 16, 64), torch.randint(0, 4, (8,))), ("blocks", "every2", "selective"))
 
 
 def test_the_planner_composes_what_it_used_to_run(tiny_config, tmp_path, monkeypatch):
