@@ -2,7 +2,7 @@
 
 A process's first fake step of a kind pays for caches its later steps of that kind reuse: FakeTensorMode's
 dispatch cache, per shape and dtype (about 1.5 s of a DINO Swin-L step), and under FSDP, DTensor's
-sharding propagation of the optimizer's foreach operators over every parameter (about 15 s for DINO's
+sharding propagation of the optimizer's foreach operators over every parameter (about 4 s for DINO's
 637 parameters; the same in every FSDP step of a model, whatever its precision or batch). A
 ``ProcessPoolExecutor`` hands each step to whichever worker is free, so every worker pays every kind,
 and it cannot keep a warm worker for a later step (the recommended plan's verification). This pool keeps
