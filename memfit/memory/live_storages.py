@@ -51,7 +51,7 @@ class LiveStorages(TorchDispatchMode):
         self.metadata_only = 0  # > 0 while DTensor computes an output's shape on stand-in tensors
         self.observer: Callable[[Any, Any, Any, Any], None] | None = None  # sees every counted operator
         self.allocator: CachingAllocatorModel | None = None  # replays every allocation and free
-        # Told of every allocation and free, in order (the planner's recorded timeline, memfit.planner.recompute).
+        # Told of every allocation and free, in order (the planner's recorded timeline, memfit.planner.timeline).
         self.timeline: Any = None
         self.stand_ins: set[int] = set()  # ids of storages that are not the step's memory (the timeline's)
 

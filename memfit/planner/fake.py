@@ -265,7 +265,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
     backward. ``batch`` defaults to the first batch of ``cfg['train_dataloader']``; ``meta_model``
     (a model already built on meta) is copied instead of building the config's model again. ``cuda``:
     the target is a CUDA device, so autocast casts as CUDA's does (:mod:`memfit.planner.cuda_autocast`).
-    ``record``: a forward/backward run records its timeline (:mod:`memfit.planner.recompute`), with the calls
+    ``record``: a forward/backward run records its timeline (:mod:`memfit.planner.timeline`), with the calls
     of the modules so named as the regions checkpointing choices are composed over; its own figures are then
     not the step's (the recording keeps no saved tensor): compose them from ``timeline``.
     """
@@ -274,7 +274,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
     from memfit.connector import setup
     from memfit.optim.builder import scale_lr_cfg
     from memfit.planner.cuda_autocast import cuda_autocast_on_cpu
-    from memfit.planner.recompute import Recorder
+    from memfit.planner.timeline import Recorder
     from memfit.precision import precision_options
     from memfit.strategies import DDPStrategy, build_strategy
 

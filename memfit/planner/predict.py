@@ -8,8 +8,9 @@ planner runs three kinds of fake step and composes them:
 2. one full step per sharding (none/DDP, ZeRO-1, ZeRO-2, FSDP, FSDP + CPU offload) at the
    reference activations (fp32, no checkpointing, no Conv-BN folding, the configured micro-batch):
    the model state, the optimizer phase's peak and the communication of each sharding;
-3. one forward/backward per activation choice (precision fp32/half x checkpointing x Conv-BN) in a
-   single process, and one per smaller micro-batch at the reference.
+3. one recorded forward/backward without checkpointing per precision (fp32/half) x Conv-BN choice, in a
+   single process, at the configured micro-batch and half of it; each checkpointing choice's step is
+   composed from it (:mod:`memfit.planner.recompute`), not run.
 
 A plan's forward/backward peak is its sharding's (2) plus how much its activations differ from the
 reference's (3); its optimizer-phase peak is its sharding's; its peak is the larger. Activation
@@ -292,19 +293,20 @@ class _Composer:
             return recorded
         key = (_half(plan), choice, plan.efficient_conv_bn_eval, mb)
         if key not in self.composed:
-            names = self.runs.facts.blocks[:int(choice[5:])] if choice.startswith("first") else \
-                self.regions.get(choice, ())
-            try:
-                k = compose(recorded.timeline, names, selective=choice == "selective")
-            except CachedTensorMutated as exc:
-                self.composed[key] = StepFailed(f"RuntimeError: {exc}")
-                raise self.composed[key] from None
-            self.composed[key] = StepMeasurement(k.peak, {}, Phase(k.peak, {}), Phase(), flops=k.flops, ops=k.ops,
-                                                 written=k.written, cuda_allocated=k.cuda_allocated,
-                                                 cuda_reserved=k.cuda_reserved)
-        if isinstance(self.composed[key], StepFailed):
-            raise self.composed[key]
-        return self.composed[key]
+            self.composed[key] = self._compose(recorded.timeline, choice)
+        out = self.composed[key]
+        if isinstance(out, StepFailed):
+            raise out
+        return out
+
+    def _compose(self, timeline: Any, choice: str) -> StepMeasurement | StepFailed:
+        names = self.runs.facts.blocks[:int(choice[5:])] if choice.startswith("first") else self.regions.get(choice, ())
+        try:
+            k = compose(timeline, names, selective=choice == "selective")
+        except CachedTensorMutated as exc:  # the plan cannot train: left out with the reason, as a failed run
+            return StepFailed(f"RuntimeError: {exc}")
+        return StepMeasurement(k.peak, {}, Phase(k.peak, {}), Phase(), flops=k.flops, ops=k.ops, written=k.written,
+                               cuda_allocated=k.cuda_allocated, cuda_reserved=k.cuda_reserved)
 
     def configured_fb(self, configured: Plan) -> StepMeasurement:
         """The configured plan's forward/backward (its compute): composed when its checkpointing is, else run."""

@@ -164,7 +164,7 @@ class Runs:
             record: tuple[str, ...] | None = None) -> StepMeasurement:
         """The fake step of ``plan`` (``full``: ``steps`` optimizer steps, else one forward/backward;
         ``single``: in one process; ``record``: a forward/backward's timeline, over these regions, see
-        :mod:`memfit.planner.recompute`); ``key`` names it for the caller. Raises :class:`StepFailed`."""
+        :mod:`memfit.planner.timeline`); ``key`` names it for the caller. Raises :class:`StepFailed`."""
         if key not in self.canon:
             cfg = self._cfg(plan, single)
             self.canon[key] = _canonical(cfg, full, steps, record)
