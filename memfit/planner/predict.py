@@ -300,7 +300,8 @@ class _Composer:
         return out
 
     def _compose(self, timeline: Any, choice: str) -> StepMeasurement | StepFailed:
-        names = self.runs.facts.blocks[:int(choice[5:])] if choice.startswith("first") else self.regions.get(choice, ())
+        names = self.regions[choice] if choice in self.regions else \
+            checkpointed_modules(self.runs.meta, self.runs.facts, choice)  # firstN: no copy of the model
         try:
             k = compose(timeline, names, selective=choice == "selective")
         except CachedTensorMutated as exc:  # the plan cannot train: left out with the reason, as a failed run
