@@ -124,12 +124,10 @@ def _recompute(tl: Timeline, c: int, frame: int, selective: bool, items: list[tu
     flops = written = seq = 0
     made: list[int] = []
     live: set[int] = set()
-    kept = False
     for ev in tl.events[start + 1:last]:
         kind = ev[0]
         if kind == OP:
-            kept = ev[3] and selective
-            if not kept:
+            if not (selective and ev[3]):  # a kept operator is not run again
                 flops, ops, written = flops + ev[1], ops + 1, written + ev[2]
         elif kind == ALLOC and not ev[3]:
             seq += 1

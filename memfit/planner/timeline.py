@@ -74,14 +74,15 @@ class Recorder:
     (its allocations and frees are the timeline's), set before entering. :meth:`observe` wraps the operator
     counter, which the tracker is given as its observer."""
 
-    def __init__(self, regions: dict[str, nn.Module], allocator: CachingAllocatorModel | None = None,
-                 mode: Any = None) -> None:
-        self.mode, self.regions, self.allocator = mode, regions, allocator
+    def __init__(self, regions: dict[str, nn.Module], allocator: CachingAllocatorModel | None = None) -> None:
+        self.regions, self.allocator = regions, allocator
+        self.mode: Any = None
         self.timeline = Timeline()
         self.events = self.timeline.events
         self._uids: dict[int, int] = {}  # id(storage) -> uid, while it lives
         self._fresh: set[int] = set()  # uids made during the recording (not alive before it)
         self._next = 0
+        self._packs = 0
         self._stack: list[int] = []
         self._calls: tuple[int, ...] = ()
         self._refs: dict[int, weakref.ref] = {}
@@ -191,7 +192,6 @@ class Recorder:
 
         self.timeline.start = self.mode.total
         self.timeline.prefix = list(self.allocator.trace) if self.allocator is not None else None
-        self._packs = 0
         self.mode.timeline = self
         for name, module in self.regions.items():
             self._handles.append(module.register_forward_pre_hook(partial(self._enter, name), with_kwargs=True))
