@@ -152,6 +152,31 @@ def _check_in_backward(strategy: Strategy, optim_wrapper: Any, precision: Precis
     check_in_backward_compatible(counts, clip, grad_scaler=getattr(precision, "scaler", None))
 
 
+_OWN_OFFLOAD = {"DeepSpeedStrategy": "zero_optimization=dict(offload_optimizer=dict(device='cpu'))",
+                "ColossalAIStrategy": "its GeminiPlugin's placement_policy / offload_optim_frac"}
+
+
+def _check_offload(strategy: Strategy, precision: Precision, in_backward: bool) -> None:
+    """Optimizer offload runs where memfit builds and steps the optimizer over the model's parameters."""
+    name = type(strategy).__name__
+    if name in _OWN_OFFLOAD:
+        raise ConfigError(f"cfg.optimizer_offload is memfit's; {name} offloads its own optimizer: use "
+                          f"{_OWN_OFFLOAD[name]} instead")
+    if getattr(strategy, "zero", False):
+        raise ConfigError("cfg.optimizer_offload and ZeRO-1 (DDPStrategy zero=True): ZeroRedundancyOptimizer builds "
+                          "its own optimizer; use strategy=dict(type='FSDPStrategy', reshard_after_forward=False) "
+                          "(ZeRO-2) with optimizer_offload, or drop zero")
+    if getattr(strategy, "cpu_offload", False):
+        raise ConfigError("cfg.optimizer_offload and FSDPStrategy cpu_offload=True: CPU offload already keeps the "
+                          "optimizer (and the parameters) on the host; use one of them")
+    if isinstance(precision, MasterWeightsPrecision):
+        raise ConfigError(f"cfg.optimizer_offload and precision opt_level={precision.opt_level!r}: the fp32 master "
+                          "weights would stay on the device; use optim_wrapper=dict(type='AmpOptimWrapper') instead")
+    if in_backward:
+        raise ConfigError("cfg.optimizer_offload and cfg.optimizer_in_backward: one steps on the host after backward, "
+                          "the other on the device inside it; use one of them")
+
+
 def _check_several_optimizers(wrapper: Any, strategy: Strategy) -> None:
     from memfit.optim.wrapper_dict import OptimWrapperDict
 
@@ -164,14 +189,16 @@ def _check_several_optimizers(wrapper: Any, strategy: Strategy) -> None:
 
 
 def setup(model: nn.Module, strategy: Strategy, optim_wrapper: Any = None, techniques: dict | None = None, *,
-          optimizer_in_backward: bool = False, precision: dict | None = None) -> tuple[nn.Module, Any]:
+          optimizer_in_backward: bool = False, optimizer_offload: bool = False,
+          precision: dict | None = None) -> tuple[nn.Module, Any]:
     """Set ``model`` up for training (``optim_wrapper`` given) or evaluation; returns (model, wrapper).
 
     The order is torchtitan's: choose the precision, move the model to the device, apply the memory
     techniques (``techniques``: the runner's ``cfg`` switches), convert it for the precision (fp32
     islands, whole-model casts), let the strategy wrap or shard it, build the optimizer over the
     wrapped parameters, let the precision prepare it (fp32 master weights) and the strategy finish
-    with it (ZeRO-1, DeepSpeed's engine, colossalai's booster). ``precision``: the Runner's
+    with it (ZeRO-1, DeepSpeed's engine, colossalai's booster). ``optimizer_offload``: the optimizer's
+    state and step on the host (:mod:`memfit.optim.offload`). ``precision``: the Runner's
     ``precision=dict(opt_level=...)`` (Apex's levels), None to follow the wrapper and the strategy.
     """
     from memfit.memory import apply_memory_techniques
@@ -183,6 +210,8 @@ def setup(model: nn.Module, strategy: Strategy, optim_wrapper: Any = None, techn
     precision_policy = select_precision(optim_wrapper, strategy, precision)
     if optimizer_in_backward and optim_wrapper is not None:
         _check_in_backward(strategy, optim_wrapper, precision_policy)
+    if optimizer_offload and optim_wrapper is not None:
+        _check_offload(strategy, precision_policy, optimizer_in_backward)
     model = strategy.to_device(model)
     if techniques:
         apply_memory_techniques(model, techniques)
@@ -190,7 +219,8 @@ def setup(model: nn.Module, strategy: Strategy, optim_wrapper: Any = None, techn
     model = strategy.wrap(model)
     wrapper = None
     if optim_wrapper is not None:
-        wrapper = build_optim_wrapper(model, optim_wrapper, in_backward=optimizer_in_backward)
+        wrapper = build_optim_wrapper(model, optim_wrapper, in_backward=optimizer_in_backward,
+                                      offload=optimizer_offload)
         _check_several_optimizers(wrapper, strategy)
         wrapper.strategy = strategy
         precision_policy.prepare_optimizer(wrapper)

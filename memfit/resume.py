@@ -76,12 +76,14 @@ def _named_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def optimizer_name(wrapper: Any) -> str:
     """The class name of the wrapper's optimizer; ZeRO-1's wrapper reports the optimizer it shards
-    (AdamW, ...), so a ZeRO checkpoint resumes on one device or without ZeRO and vice versa. Several
-    optimizers (an OptimWrapperDict): ``name=Class`` pairs."""
+    (AdamW, ...), so a ZeRO checkpoint resumes on one device or without ZeRO and vice versa; an offloaded
+    optimizer likewise reports the one it runs on the host. Several optimizers (an OptimWrapperDict):
+    ``name=Class`` pairs."""
     if hasattr(wrapper, "optim_wrappers"):
         return ",".join(f"{n}={optimizer_name(w)}" for n, w in wrapper.items())
-    inner = getattr(wrapper.optimizer, "_optim_constructor", None)
-    return getattr(inner, "__name__", None) or type(wrapper.optimizer).__name__
+    optimizer = getattr(wrapper.optimizer, "host_optimizer", wrapper.optimizer)
+    inner = getattr(optimizer, "_optim_constructor", None)
+    return getattr(inner, "__name__", None) or type(optimizer).__name__
 
 
 def collect_state(runner: Any, meta: dict, *, save_optimizer: bool = True, save_param_scheduler: bool = True) -> dict:

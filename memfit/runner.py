@@ -284,7 +284,8 @@ class Runner:
             self.strategy.set_micro_batch_size(self.train_dataloader.batch_size)
         self.model, self.optim_wrapper = setup(
             self.model, self.strategy, optim_cfg, self.cfg, precision=self._precision,
-            optimizer_in_backward=bool(self.cfg.get("optimizer_in_backward")) and with_optimizer)
+            optimizer_in_backward=bool(self.cfg.get("optimizer_in_backward")) and with_optimizer,
+            optimizer_offload=bool(self.cfg.get("optimizer_offload")) and with_optimizer)
         if self.compile:
             kwargs = self.compile if isinstance(self.compile, dict) else {}
             self.model.compile(**kwargs)

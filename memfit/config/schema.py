@@ -58,6 +58,7 @@ TECHNIQUE_KEYS: tuple[str, ...] = (
     "efficient_conv_bn_eval",
     "model_wrapper_cfg",
     "optimizer_in_backward",
+    "optimizer_offload",
     "activation_offload",
     "memory_monitor",
     "auto_fit",  # dict(budget='24GiB', gpus=8): memfit.planner.autofit, applied by Runner.from_cfg

@@ -17,6 +17,9 @@ from memfit.memory.caching_allocator import CachingAllocatorModel
 from memfit.memory.storages import storages
 
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "communication", "inputs")
+# Host memory a device step holds (an offloaded optimizer's copies and state): kept apart from the device's
+# total and peak, in ``host`` and ``host_peak``.
+HOST = "host"
 # Collectives (eager c10d, functional collectives) and FSDP2's copy-in/copy-out ops around them.
 _COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional", "fsdp"})
 # The labels a collective (or a resize) may override: the others say what a storage is more precisely.
@@ -41,6 +44,8 @@ class LiveStorages(TorchDispatchMode):
         self.peak_breakdown = dict(self.current)
         self.serial = 0
         self.peak_serial = 0
+        self.host = 0
+        self.host_peak = 0
         self.new_category = "activations"
         # Called (by the MemoryTracker) to relabel every gradient; due after a reduce-scatter.
         self.relabel_grads: Callable[[], None] | None = None
@@ -62,7 +67,11 @@ class LiveStorages(TorchDispatchMode):
         entry = self.live.get(key)
         if entry is not None:
             n = st.nbytes()
-            if n != entry[1]:  # resized in place (aten.resize_, storage.resize_)
+            if entry[2] == HOST:
+                self.host += n - entry[1]
+                entry[1] = n
+                self.host_peak = max(self.host_peak, self.host)
+            elif n != entry[1]:  # resized in place (aten.resize_, storage.resize_)
                 self.current[entry[2]] += n - entry[1]
                 self.total += n - entry[1]
                 entry[1] = n
@@ -74,13 +83,17 @@ class LiveStorages(TorchDispatchMode):
                     self.timeline.alloc(key, n, False)
             return
         n = st.nbytes()
+        ref = weakref.ref(st, lambda r, key=key: self._free(key, r))
+        self.serial += 1
+        self.live[key] = [ref, n, category, 0 if retroactive else self.serial]
+        if category == HOST:
+            self.host += n
+            self.host_peak = max(self.host_peak, self.host)
+            return
         if self.allocator is not None:
             self.allocator.malloc(key, n)
         if self.timeline is not None:
             self.timeline.alloc(key, n, retroactive)
-        ref = weakref.ref(st, lambda r, key=key: self._free(key, r))
-        self.serial += 1
-        self.live[key] = [ref, n, category, 0 if retroactive else self.serial]
         self.current[category] += n
         self.total += n
         if retroactive:  # alive since before entry: every earlier moment, the peak included, held it
@@ -96,7 +109,10 @@ class LiveStorages(TorchDispatchMode):
             self.add(st, category)
             return
         old = entry[2]
-        if old == category or (only_from is not None and old not in only_from):
+        if old == category or (only_from is not None and old not in only_from) or old == HOST:
+            return
+        if category == HOST:
+            self._to_host(st, entry, retroactive)
             return
         self.current[old] -= entry[1]
         self.current[category] += entry[1]
@@ -107,9 +123,29 @@ class LiveStorages(TorchDispatchMode):
             self.peak_breakdown[old] -= moved
             self.peak_breakdown[category] += moved
 
+    def _to_host(self, st: torch.UntypedStorage, entry: list[Any], retroactive: bool) -> None:
+        """A storage counted on the device turns out to be host memory: out of the device's figures."""
+        key, n, old = id(st), entry[1], entry[2]
+        self.current[old] -= n
+        self.total -= n
+        if retroactive and entry[3] <= self.peak_serial:
+            moved = min(n, self.peak_breakdown[old])
+            self.peak_breakdown[old] -= moved
+            self.peak -= moved
+        if self.allocator is not None:
+            self.allocator.free(key)
+        if self.timeline is not None:
+            self.timeline.free(key)
+        entry[2] = HOST
+        self.host += n
+        self.host_peak = max(self.host_peak, self.host)
+
     def _free(self, key: int, ref: weakref.ref) -> None:
         entry = self.live.get(key)
-        if entry is not None and entry[0] is ref:
+        if entry is not None and entry[0] is ref and entry[2] == HOST:
+            del self.live[key]
+            self.host -= entry[1]
+        elif entry is not None and entry[0] is ref:
             del self.live[key]
             if self.allocator is not None:
                 self.allocator.free(key)
@@ -134,6 +170,7 @@ class LiveStorages(TorchDispatchMode):
     # -- mode ---------------------------------------------------------------------------------------
     def __enter__(self) -> LiveStorages:
         self._fake_on_entry = active_fake_mode()
+        self.host_peak = self.host
         self.peak = self.total
         self.peak_breakdown = dict(self.current)
         self.peak_serial = self.serial

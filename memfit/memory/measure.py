@@ -50,6 +50,10 @@ Categories:
   parameter, buffer, gradient or optimizer state keeps its label;
 * ``inputs``: tensors alive at entry that are none of the above.
 
+Host memory is not the device's: an offloaded optimizer's (:mod:`memfit.optim.offload`) parameter
+copies, state and everything its step allocates are counted apart, in ``host_peak_bytes``, on every
+device (on a CPU run host and device are one memory, and ``peak_bytes`` is then what a GPU would hold).
+
 A label found late says what a storage already was (a bucket's first all-reduce, a gradient assigned
 outside autograd): relabelling a storage alive at the peak then moves its bytes in the peak
 breakdown too. The post-accumulate-grad hook does not: the storage becomes a gradient at that moment
@@ -67,8 +71,15 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from memfit.memory.caching_allocator import CachingAllocatorModel
-from memfit.memory.live_storages import CATEGORIES, LiveStorages
-from memfit.memory.storages import fsdp_params, optimizer_state_tensors, stepped_params, storages
+from memfit.memory.live_storages import CATEGORIES, HOST, LiveStorages
+from memfit.memory.storages import (
+    fsdp_params,
+    host_tensors,
+    is_host_resident,
+    optimizer_state_tensors,
+    stepped_params,
+    storages,
+)
 
 MB = 2**20  # "MB" in reports means MiB, as in MMEngine's and the seeds' memory logs
 
@@ -103,6 +114,7 @@ class MemoryTracker:
             device = first.device if first is not None else "cpu"
         self.device = torch.device(device)
         self.peak_bytes = 0
+        self.host_peak_bytes = 0  # host memory of an offloaded optimizer (live-storage tracker), not in peak_bytes
         self.breakdown: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self._mode: LiveStorages | None = None
         self._handles: list[Any] = []
@@ -156,6 +168,8 @@ class MemoryTracker:
             return self
         mode = self._mode = LiveStorages()
         mode.allocator = self.allocator
+        for st in storages(host_tensors(self.optimizer)):
+            mode.add(st, HOST)
         if self.model is not None:
             for st in storages(self._param_list):
                 mode.add(st, "parameters")
@@ -187,6 +201,7 @@ class MemoryTracker:
         assert mode is not None
         self._relabel_grads()  # gradients assigned since the last walk, also in the peak breakdown
         self.peak_bytes = mode.peak
+        self.host_peak_bytes = mode.host_peak
         self.breakdown = dict(mode.peak_breakdown)
         mode.__exit__(*exc)
         self._mode = None
@@ -207,7 +222,11 @@ class MemoryTracker:
             self._mode.update_peak()
 
     def _on_step_begin(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._mode is not None:
+        if self._mode is not None and is_host_resident(optimizer):
+            if hasattr(optimizer, "host_optimizer"):  # the device side: its gradients are the model's
+                self._relabel_grads(optimizer)
+            self._mode.new_category = HOST
+        elif self._mode is not None:
             self._relabel_grads(optimizer)
             for st in storages(self._copies(optimizer)):
                 self._mode.relabel(st, "optimizer_state", retroactive=True)
@@ -218,6 +237,8 @@ class MemoryTracker:
             self._mode.new_category = "activations"
             for st in storages(optimizer_state_tensors(optimizer)):
                 self._mode.relabel(st, "optimizer_state")
+            for st in storages(host_tensors(optimizer)):
+                self._mode.relabel(st, HOST)
 
     def _allocator_breakdown(self) -> dict[str, int]:
         def nbytes(tensors: Iterable[Any]) -> int:
@@ -251,6 +272,8 @@ class MemoryTracker:
         lines = [f"{'memory at peak':<{width}}{'MB':>10}"]
         lines += [f"{c:<{width}}{self.breakdown.get(c, 0) / MB:>10.1f}" for c in CATEGORIES]
         lines.append(f"{'peak':<{width}}{self.peak_bytes / MB:>10.1f}")
+        if self.host_peak_bytes:
+            lines.append(f"{'host (offloaded)':<{width}}{self.host_peak_bytes / MB:>10.1f}")
         how = "allocator" if self.uses_allocator else "live tensor storages"
         lines.append(f"(device {self.device}, measured from {how})")
         return "\n".join(lines)

@@ -44,9 +44,24 @@ def _flattens(cls: type) -> bool:
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    if optimizer is None:
+    """The state tensors an optimizer keeps on the device (an offloaded one keeps none there)."""
+    if optimizer is None or is_host_resident(optimizer):
         return []
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def is_host_resident(optimizer: torch.optim.Optimizer | None) -> bool:
+    """Whether ``optimizer`` keeps its state and steps in host memory (:mod:`memfit.optim.offload`)."""
+    return bool(getattr(optimizer, "host_resident", False))
+
+
+def host_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """What an offloaded optimizer keeps in host memory between steps: its parameter copies and state."""
+    if not is_host_resident(optimizer):
+        return []
+    host = getattr(optimizer, "host_optimizer", optimizer)
+    state = [v for s in host.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return stepped_params(host) + state
 
 
 def stepped_params(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:

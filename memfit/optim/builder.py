@@ -14,12 +14,13 @@ from memfit.registry import OPTIM_WRAPPER_CONSTRUCTORS, OPTIM_WRAPPERS, OPTIMIZE
 logger = logging.getLogger("memfit")
 
 
-def build_optim_wrapper(model: nn.Module, cfg: Any, in_backward: bool = False) -> Any:
+def build_optim_wrapper(model: nn.Module, cfg: Any, in_backward: bool = False, offload: bool = False) -> Any:
     """Turn the ``optim_wrapper`` config (or a live wrapper) into a wrapper over ``model``'s parameters.
 
     ``paramwise_cfg`` (weight-decay/lr multipliers by name or kind) shapes the parameter groups;
     frozen parameters are left out. ``in_backward`` steps each parameter inside backward
-    (``cfg=dict(optimizer_in_backward=True)``), so all gradients are never alive at once.
+    (``cfg=dict(optimizer_in_backward=True)``), so all gradients are never alive at once; ``offload``
+    keeps the optimizer state and step on the host (``cfg=dict(optimizer_offload=True)``).
     ``constructor='MyConstructor'`` builds through a registered constructor class, as MMEngine's
     (``MyConstructor(optim_wrapper_cfg, paramwise_cfg)(model)``). Several optimizers: a dict of
     OptimWrappers, or of configs without ``constructor`` (each over the submodule of its name).
@@ -39,14 +40,14 @@ def build_optim_wrapper(model: nn.Module, cfg: Any, in_backward: bool = False) -
             return OptimWrapperDict(**cfg)
         constructor = "MultiOptimWrapperConstructor"
     if constructor is not None:
-        if in_backward:
-            raise ConfigError("cfg.optimizer_in_backward builds its own per-parameter optimizers: remove "
-                              "optim_wrapper.constructor or optimizer_in_backward")
+        if in_backward or offload:
+            switch = "optimizer_in_backward" if in_backward else "optimizer_offload"
+            raise ConfigError(f"cfg.{switch} builds the optimizer itself: remove optim_wrapper.constructor or {switch}")
         built = OPTIM_WRAPPER_CONSTRUCTORS.build(
             {"type": constructor, "optim_wrapper_cfg": cfg, "paramwise_cfg": paramwise_cfg},
             key="optim_wrapper.constructor")
         return built(model)
-    return _build_one_wrapper(model, cfg, paramwise_cfg, in_backward)
+    return _build_one_wrapper(model, cfg, paramwise_cfg, in_backward, offload)
 
 
 def is_multi_optim_cfg(cfg: Any) -> bool:
@@ -58,13 +59,13 @@ def is_multi_optim_cfg(cfg: Any) -> bool:
 
 
 def _build_one_wrapper(model: nn.Module, cfg: dict, paramwise_cfg: dict | None, in_backward: bool,
-                       key: str = "optim_wrapper") -> Any:
+                       offload: bool = False, key: str = "optim_wrapper") -> Any:
     cfg = dict(cfg)
     cfg.setdefault("type", "OptimWrapper")
     optimizer_cfg = cfg.pop("optimizer", None)
     if optimizer_cfg is None:
         raise ConfigError(f"{key}.optimizer is missing: e.g. optimizer=dict(type='SGD', lr=0.01)")
-    optimizer = build_optimizer(model, optimizer_cfg, paramwise_cfg, in_backward=in_backward)
+    optimizer = build_optimizer(model, optimizer_cfg, paramwise_cfg, in_backward=in_backward, offload=offload)
     return OPTIM_WRAPPERS.build(cfg, key=key, optimizer=optimizer)
 
 
@@ -155,9 +156,13 @@ def scale_lr_cfg(cfg: Any, auto_scale_lr: dict | None, real_batch_size: Callable
     return cfg
 
 
-def build_optimizer(model: nn.Module, cfg: Any, paramwise_cfg: dict | None = None, in_backward: bool = False) -> Any:
-    """Build the torch optimizer; a live optimizer object is returned unchanged."""
+def build_optimizer(model: nn.Module, cfg: Any, paramwise_cfg: dict | None = None, in_backward: bool = False,
+                    offload: bool = False) -> Any:
+    """Build the torch optimizer; a live optimizer object is returned unchanged (``offload`` needs a config)."""
     if not isinstance(cfg, dict):
+        if offload:
+            raise ConfigError("cfg.optimizer_offload builds the optimizer on the host from its config: give "
+                              "optim_wrapper.optimizer as a dict, not a built optimizer")
         return cfg
     cfg = dict(cfg)
     for k, v in cfg.items():
@@ -183,6 +188,14 @@ def build_optimizer(model: nn.Module, cfg: Any, paramwise_cfg: dict | None = Non
 
         # Each per-parameter optimizer is built through the registry: its errors name the config key.
         return OptimizerInBackward(params, partial(_build_one, cfg))
+    if offload:
+        from functools import partial
+
+        from memfit.optim.offload import OffloadedOptimizer
+
+        optimizer = OffloadedOptimizer(params, partial(_build_one, cfg))
+        logger.info(f"optimizer offload: {type(optimizer.host_optimizer).__name__}'s state and step on the host")
+        return optimizer
     return OPTIMIZERS.build(cfg, key="optim_wrapper.optimizer", params=params)
 
 

@@ -12,7 +12,8 @@ SCRIPTS = Path(__file__).parent / "scripts"
 # fp32 variants: only the order of the gradient reduction differs from one process.
 EXACT = {"ddp": "sgd", "ddp_zero": "adamw", "ddp_zero_wrapper": "adamw", "fsdp": "adamw",
          "fsdp_clip": "clipped", "fsdp_offload": "adamw", "fsdp_ckpt": "adamw", "fsdp_frozen": "adamw_frozen",
-         "fsdp_names": "adamw"}
+         "fsdp_names": "adamw", "ddp_optoffload": "adamw", "fsdp_optoffload": "adamw",
+         "fsdp_clip_optoffload": "clipped"}
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +76,16 @@ def test_accumulation_syncs_only_on_the_final_micro_step(results, variant, ref, 
     assert r0[variant]["after_first_micro"] == [state] * 4
     assert _close(r0[variant]["losses"], r0[f"ref_{ref}"]["losses"], 1e-5)
     assert _params_close(r0[variant]["params"], r0[f"ref_{ref}"]["params"], 5e-4)
+
+
+@pytest.mark.parametrize("variant,without", [("fsdp_optoffload", "fsdp"), ("fsdp_clip_optoffload", "fsdp_clip"),
+                                             ("zero2_accum_optoffload", "zero2_accum")])
+def test_optimizer_offload_is_bit_exact_under_sharding(results, variant, without):
+    r0, r1 = results
+    # The host optimizer steps each rank's shard as the device one would (clipped, accumulated): same bits.
+    assert r0[variant]["losses"] == r0[without]["losses"]
+    assert r0[variant]["params"] == r0[without]["params"] == r1[variant]["params"]
+    assert _close(r0[variant]["losses"], r0["ref_adamw" if "clip" not in variant else "ref_clipped"]["losses"], 1e-5)
 
 
 def test_fsdp_units(results):

@@ -31,12 +31,15 @@ def runs(tmp_path_factory):
     cwd = os.getcwd()
     os.chdir(root)
     try:
-        proc = launch(SCRIPT, 2, ["A", "fsdp:w2_fsdp", "ddp_zero:w2_zero"], out_dir=out, timeout=240)
+        proc = launch(SCRIPT, 2, ["A", "fsdp:w2_fsdp", "ddp_zero:w2_zero", "fsdp_optoffload:w2_off"], out_dir=out,
+                      timeout=240)
         a = read_results(out, 2, proc, name="A")[0]
         b = _one_process(out, "B", ["fsdp:r1_fsdp:w2_fsdp/iter_4.pth", "single:r1_single:w2_fsdp/iter_4.pth",
-                                    "ddp_zero:r1_zero:w2_zero/iter_4.pth", "fsdp:w1_fsdp"], root)
-        proc = launch(SCRIPT, 2, ["C", "fsdp:r2_fsdp:w2_fsdp/iter_4.pth", "fsdp:r12_fsdp:w1_fsdp/iter_4.pth"],
-                      out_dir=out, timeout=240)
+                                    "ddp_zero:r1_zero:w2_zero/iter_4.pth", "fsdp:w1_fsdp",
+                                    "fsdp_optoffload:r1_off:w2_off/iter_4.pth",
+                                    "single:r1_from_off:w2_off/iter_4.pth"], root)
+        proc = launch(SCRIPT, 2, ["C", "fsdp:r2_fsdp:w2_fsdp/iter_4.pth", "fsdp:r12_fsdp:w1_fsdp/iter_4.pth",
+                                  "fsdp_optoffload:r2_off:w2_fsdp/iter_4.pth"], out_dir=out, timeout=240)
         c = read_results(out, 2, proc, name="C")[0]
     finally:
         os.chdir(cwd)
@@ -85,6 +88,16 @@ def test_resume_2_to_2_and_1_to_2(runs):
     # And the world-size-1 run is the world-size-2 run (same global batch and samples).
     for (_, loss, seen), (_, loss2, seen2) in zip(a["fsdp:w2_fsdp"], b["fsdp:w1_fsdp"]):
         assert seen == seen2 and abs(loss - loss2) <= TOL
+
+
+def test_optimizer_offload_resumes_at_any_world_size_with_or_without_it(runs):
+    _, a, b, c = runs
+    full = a["fsdp_optoffload:w2_off"]
+    # Offloading the optimizer changes no bit of training (the same AdamW on the same shards).
+    assert [r[1] for r in full] == [r[1] for r in a["fsdp:w2_fsdp"]]
+    _check_continuation(full, b["fsdp_optoffload:r1_off"])  # offloaded 2 -> offloaded 1
+    _check_continuation(full, b["single:r1_from_off"])  # offloaded 2 -> one process without offload
+    _check_continuation(a["fsdp:w2_fsdp"], c["fsdp_optoffload:r2_off"])  # plain 2 -> offloaded 2
 
 
 def test_export_consolidates_a_sharded_checkpoint(runs):

@@ -62,11 +62,12 @@ def full_params(strategy, model) -> dict[str, list]:
 
 
 def run(strategy, optim, *, accum: int = 1, frozen: bool = False, techniques=None, local: bool = True,
-        record_sync: bool = False) -> dict:
+        record_sync: bool = False, offload: bool = False) -> dict:
     """Train STEPS steps; ``local``: this rank's share of the global batch, else the whole batch."""
     torch.manual_seed(0)
     model = Net(frozen_stem=frozen)
-    model, wrapper = setup(model, strategy, dict(optim, accumulative_counts=accum), techniques)
+    model, wrapper = setup(model, strategy, dict(optim, accumulative_counts=accum), techniques,
+                           optimizer_offload=offload)
     init = full_params(strategy, model)
     wrapper.initialize_count_status(model, 0, -1)
     rank, world = (dist.get_rank(), dist.get_world_size()) if local else (0, 1)
@@ -129,6 +130,13 @@ def main() -> None:
         "fsdp_frozen": (lambda: FSDPStrategy(), adamw, dict(frozen=True)),
         "fsdp_accum": (lambda: FSDPStrategy(), adamw, dict(accum=2, record_sync=True)),
         "fsdp_names": (lambda: FSDPStrategy(wrap_modules=["blocks.0", "head"]), adamw, {}),
+        # Optimizer offload (state and step on the host) under each strategy that takes it.
+        "ddp_optoffload": (lambda: DDPStrategy(), adamw, dict(offload=True)),
+        "fsdp_optoffload": (lambda: FSDPStrategy(), adamw, dict(offload=True)),
+        "fsdp_clip_optoffload": (lambda: FSDPStrategy(), clipped, dict(offload=True)),
+        "zero2_accum_optoffload": (lambda: FSDPStrategy(reshard_after_forward=False), adamw,
+                                   dict(accum=2, offload=True)),
+        "zero2_accum": (lambda: FSDPStrategy(reshard_after_forward=False), adamw, dict(accum=2)),
     }
     only = sys.argv[1:]
     for name, (make, optim, kw) in variants.items():

@@ -70,6 +70,8 @@ def train(strategy: str, work_dir: str, resume: str | None, crash_at: int | None
     record = Record(crash_at)
     torch.manual_seed(0)  # the same initial weights in every run of this process
     detailed = crash_at is not None or strategy == "fsdp_async"  # rows and checkpoint visibility
+    offload = strategy.endswith("_optoffload")  # "<strategy>_optoffload": with cfg.optimizer_offload
+    strategy = strategy.removesuffix("_optoffload")
     if strategy == "fsdp_async":
         strategy = dict(type="FSDPStrategy", async_save=True)
     runner = Runner(
@@ -80,6 +82,7 @@ def train(strategy: str, work_dir: str, resume: str | None, crash_at: int | None
         optim_wrapper=dict(optimizer=dict(type="AdamW", lr=1e-2)),
         default_hooks=dict(checkpoint=dict(interval=4, by_epoch=False), logger=dict(interval=100)),
         custom_hooks=[record], randomness=dict(seed=0), resume=resume or False,
+        cfg=dict(optimizer_offload=offload),
     )
     try:
         runner.train()
