@@ -78,7 +78,8 @@ def parse_plan(name: str, base: Plan) -> Plan:
             return base
         else:
             raise ConfigError(f"--plans: {token!r} in {name!r} is not a plan word: fp32|bf16|fp16, ac:none|stages|"
-                              "blocks|every2|selective|firstN, none|zero1|zero2|fsdp, offload:params, conv-bn, mbBxK")
+                              "blocks|every2|selective|firstN, none|zero1|zero2|fsdp, offload:params|optimizer, "
+                              "conv-bn, mbBxK")
     return replace(base, configured=False, **fields)
 
 
@@ -94,6 +95,8 @@ def default_bench_plans(configured: Plan, facts: Any, device: Device) -> list[Pl
         plans.append(replace(base, activation_checkpointing="stages"))
     if facts.frozen_bn:
         plans.append(replace(base, efficient_conv_bn_eval=True))
+    if device.cuda:  # on a CPU host and device memory are one
+        plans.append(replace(base, offload="optimizer"))
     if configured.micro_batch > 1:
         mb = configured.micro_batch // 2
         plans.append(replace(base, micro_batch=mb, accumulative_counts=configured.accumulative_counts

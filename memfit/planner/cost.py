@@ -8,7 +8,8 @@ One optimizer step of a plan with k micro-steps takes
                every micro-step, gradients reduce-scattered once; DDP: one all-reduce; ZeRO-1: an all-reduce
                and the parameters' broadcast)
     offload  = host<->device bytes / host bandwidth  (FSDP CPU offload: the parameter shard in every
-               all-gather, the gradient shard out) + the optimizer step on the host
+               all-gather, the gradient shard out; optimizer offload: the parameters and gradients out,
+               the parameters back) + the optimizer step on the host
     optimizer = bytes the optimizer reads and writes (parameters, gradients, state) / memory bandwidth
     step     = max(compute, comm) + offload + optimizer     (communication overlaps compute; offload waits)
 
@@ -56,6 +57,9 @@ def step_seconds(plan: Plan, micro: StepMeasurement, shard: StepMeasurement, sta
         passes = 2 if plan.sharding == "fsdp" else 1  # re-gathered in backward unless kept (zero2)
         offload = (k * passes * state.params + state.grads) / (device.host_bw * 1e9)
         optimizer = moved / (20e9)  # the step runs on the host (~20 GB/s)
+    elif plan.offload == "optimizer":
+        offload = (2 * state.params + state.grads) / (device.host_bw * 1e9)
+        optimizer = moved / (20e9)
     else:
         optimizer = moved / (device.mem_bw * 1e9)
     return max(compute, comm) + offload + optimizer

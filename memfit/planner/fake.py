@@ -82,6 +82,7 @@ class StepMeasurement:
     cuda_reserved: int = 0
     # A recorded forward/backward (measure_step's ``record``), from which checkpointing choices are composed.
     timeline: Any = None
+    host_peak: int = 0  # host memory an offloaded optimizer held (not in ``peak``)
 
 
 @contextlib.contextmanager
@@ -307,7 +308,8 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
         model = _materialise(model, fake_mode)
         model.train()
         precision = precision_options(cfg.get("precision"))
-        model, wrapper = setup(model, strategy, optim_cfg, techniques, precision=precision)
+        model, wrapper = setup(model, strategy, optim_cfg, techniques, precision=precision,
+                               optimizer_offload=bool(techniques.get("optimizer_offload")))
         buckets = _ddp_bucket_bytes(model) if isinstance(strategy, DDPStrategy) else 0
         micro_steps = steps * counts if full else 1
         # A forward/backward run is the first micro-step of a window of two that does not end here (a
@@ -357,7 +359,8 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
                            comm=dict(counter.comm), seconds=time.perf_counter() - start,
                            cuda_allocated=allocator.peak_allocated if allocator else 0,
                            cuda_reserved=allocator.peak_reserved if allocator else 0,
-                           timeline=recorder.timeline if recorder is not None else None)
+                           timeline=recorder.timeline if recorder is not None else None,
+                           host_peak=tracker.host_peak_bytes)
 
 
 def _chunks(total: int, size: int) -> tuple[int, ...]:

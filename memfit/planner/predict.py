@@ -160,7 +160,8 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
     facts = ModelFacts.of(meta)
     configured = configured_plan(cfg, facts, device.cuda)
     precisions = tuple(p for p in PRECISIONS if device.dtype_tflops(p))
-    plans = [] if as_is else [p for p in enumerate_plans(configured, facts, world_size, precisions) if p != configured]
+    plans = [] if as_is else [p for p in enumerate_plans(configured, facts, world_size, precisions, device.cuda)
+                              if p != configured]
     ref = Plan("fp32", "none", "none", "none", False, configured.micro_batch, configured.accumulative_counts)
     micro = sorted({p.micro_batch for p in plans} - {configured.micro_batch})
     with Runs(cfg, facts, meta, world_size, progress, device.cuda) as runs:
@@ -214,7 +215,9 @@ def _half(plan: Plan) -> str:
 
 def _state(m: StepMeasurement) -> ModelState:
     b = m.optimizer.breakdown or m.breakdown
-    return ModelState(b.get("parameters", 0), b.get("gradients", 0), b.get("optimizer_state", 0))
+    params = b.get("parameters", 0)
+    # An offloaded optimizer's state is on the host: its peak there less the parameters' host copy.
+    return ModelState(params, b.get("gradients", 0), b.get("optimizer_state", 0) or max(0, m.host_peak - params))
 
 
 def _result(plan: Plan, step: StepMeasurement, micro: StepMeasurement, device: Device, world_size: int,
@@ -233,6 +236,8 @@ def _result(plan: Plan, step: StepMeasurement, micro: StepMeasurement, device: D
         phases.append((step.peak, dict(step.breakdown)))
     if plan.offload == "params" and device.cuda:
         phases = [(sum(_offloaded(b).values()), _offloaded(b)) for _, b in phases]
+    elif plan.offload == "optimizer":  # as the tracker counts it: the state and the step's temporaries on the host
+        phases = [(peak - b.get("optimizer_state", 0), {**b, "optimizer_state": 0}) for peak, b in phases]
     tracked, breakdown = max(phases, key=lambda pb: pb[0])
     # The allocator's rounding and slack: the plan's own step's, else its activations' forward/backward's.
     run = allocator_run or (step if source == "measured" else micro)
@@ -342,8 +347,10 @@ class _Composer:
         allocator_run = self._act(plan, self.half) if self.half and plan.micro_batch <= self.half else micro
         results = []
         for mb, k in anchors:
-            shard = self.runs.run(("shard", plan.sharding, plan.offload, mb, k),
-                                  replace(ref, sharding=plan.sharding, offload=plan.offload, micro_batch=mb,
+            # Optimizer offload is its sharding's step with the optimizer's memory on the host (_result).
+            offload = "none" if plan.offload == "optimizer" else plan.offload
+            shard = self.runs.run(("shard", plan.sharding, offload, mb, k),
+                                  replace(ref, sharding=plan.sharding, offload=offload, micro_batch=mb,
                                           accumulative_counts=k), full=True, steps=1)
             fb_grads = 0
             if accumulates and k == 1:

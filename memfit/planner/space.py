@@ -20,7 +20,7 @@ from memfit.errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SHARDINGS = ("none", "zero1", "zero2", "fsdp")
-OFFLOADS = ("none", "params")
+OFFLOADS = ("none", "params", "optimizer")
 _AC_ORDER = ("none", "stages", "every2", "selective", "blocks")  # roughly: least recompute first
 
 
@@ -123,8 +123,8 @@ class Plan:
     """One point of the plan space. ``activation_checkpointing``: none | stages | blocks | every2 |
     selective | firstN (the first N blocks); ``sharding``: none (DDP) | zero1 | zero2 (FSDP keeping
     gathered parameters until backward, SHARD_GRAD_OP) | fsdp (ZeRO-3); ``offload``: none | params
-    (FSDP's CPU offload of parameters, gradients and optimizer state); ``configured``: the config's
-    own plan, applied as it is."""
+    (FSDP's CPU offload of parameters, gradients and optimizer state) | optimizer (the optimizer's state
+    and step on the host, ``cfg.optimizer_offload``); ``configured``: the config's own plan, applied as it is."""
 
     precision: str = "fp32"
     activation_checkpointing: str = "none"
@@ -163,7 +163,7 @@ class Plan:
                 ow.update(_precision_keys(self.precision))
             return cfg
         techniques = dict(cfg.pop("cfg", None) or {})
-        for key in ("activation_checkpointing", "efficient_conv_bn_eval", "model_wrapper_cfg"):
+        for key in ("activation_checkpointing", "efficient_conv_bn_eval", "model_wrapper_cfg", "optimizer_offload"):
             techniques.pop(key, None)
             cfg.pop(key, None)
         spec = ac_spec(self.activation_checkpointing, facts)
@@ -171,6 +171,8 @@ class Plan:
             techniques["activation_checkpointing"] = spec
         if self.efficient_conv_bn_eval:
             techniques["efficient_conv_bn_eval"] = [""]
+        if self.offload == "optimizer":
+            techniques["optimizer_offload"] = True
         cfg["cfg"] = techniques
         cfg["strategy"] = _strategy(self, cfg.get("strategy"))
         ow = dict(cfg.get("optim_wrapper") or {})
@@ -236,6 +238,8 @@ def configured_plan(cfg: dict, facts: ModelFacts, cuda: bool = True) -> Plan:
         offload = "params" if isinstance(strategy, dict) and strategy.get("cpu_offload") else "none"
     elif isinstance(strategy, dict) and strategy.get("zero"):
         sharding = "zero1"
+    if techniques.get("optimizer_offload"):
+        offload = "optimizer"
     return Plan(precision=precision, activation_checkpointing=_ac_name(ac, facts), sharding=sharding, offload=offload,
                 efficient_conv_bn_eval=bool(techniques.get("efficient_conv_bn_eval")),
                 micro_batch=int(cfg["train_dataloader"]["batch_size"]),
@@ -253,11 +257,13 @@ def _ac_name(spec: Any, facts: ModelFacts) -> str:
 
 
 def enumerate_plans(configured: Plan, facts: ModelFacts, world_size: int, precisions: tuple[str, ...] = PRECISIONS,
-                    ) -> list[Plan]:
+                    host_offload: bool = True) -> list[Plan]:
     """Every plan worth predicting for a model trained at ``world_size`` ranks, keeping the global
     batch of ``configured`` (micro-batch x accumulation). Pruned: checkpointing choices the model
     cannot express (no stages), Conv-BN folding without frozen BatchNorm, sharding at one rank
-    (FSDP there only as the carrier of CPU offload), offload without FSDP."""
+    (FSDP there only as the carrier of CPU offload), parameter offload without FSDP, optimizer offload
+    under ZeRO-1 (which builds its own optimizer) and where the target is the host (``host_offload``
+    False: a CPU run holds both memories in one)."""
     per_rank = configured.micro_batch * configured.accumulative_counts
     micro = [b for b in _halvings(configured.micro_batch) if per_rank % b == 0]
     acs = [a for a in _AC_ORDER if a != "stages" or facts.stages]
@@ -265,7 +271,9 @@ def enumerate_plans(configured: Plan, facts: ModelFacts, world_size: int, precis
         acs = ["none"]
     conv_bn = (False, True) if facts.frozen_bn else (False,)
     shardings = [("none", "none"), ("fsdp", "params")] if world_size == 1 else \
-        [(s, "none") for s in SHARDINGS] + [("fsdp", o) for o in OFFLOADS[1:]]
+        [(s, "none") for s in SHARDINGS] + [("fsdp", "params")]
+    if host_offload:
+        shardings += [(s, "optimizer") for s in SHARDINGS if s != "zero1" and (world_size > 1 or s == "none")]
     plans = [Plan(p, a, s, o, c, b, per_rank // b)
              for p in precisions for a in acs for s, o in shardings for c in conv_bn for b in micro]
     return plans
