@@ -165,3 +165,34 @@ def test_cuda_device_memory_saved():
 
     n = 8 * (1024 * 1024 + 1024)
     assert peak(False) - peak(True) >= 2 * 4 * n
+
+
+def test_the_runner_switch_trains_as_without_it(tmp_path, caplog):
+    import json
+    import logging
+
+    from memfit.model import BaseModel
+    from memfit.runner import Runner
+
+    class Net(BaseModel):
+        def __init__(self):
+            super().__init__()
+            self.net = _net()
+
+        def forward(self, img, label, mode="tensor", **_):
+            logits = self.net(img.flatten(1)[:, :8])
+            return {"loss": nn.functional.cross_entropy(logits, label % 3)} if mode == "loss" else logits
+
+    def train(name, offload):
+        Runner(model=Net(), work_dir=str(tmp_path / name),
+               train_dataloader=dict(batch_size=4, dataset=dict(type="ShapesDataset", num_samples=16, image_size=8)),
+               train_cfg=dict(by_epoch=False, max_iters=4), optim_wrapper=ADAMW,
+               default_hooks=dict(logger=dict(interval=1), checkpoint=None), randomness=dict(seed=0),
+               cfg=dict(optimizer_offload=offload)).train()
+        rows = next((tmp_path / name).glob("*/scalars.jsonl")).read_text().splitlines()
+        return [json.loads(r)["loss"] for r in rows]
+
+    with caplog.at_level(logging.INFO, logger="memfit"):
+        offloaded = train("off", True)
+    assert "optimizer offload: AdamW's state and step on the host" in caplog.text
+    assert offloaded == train("plain", False)
