@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import argparse
 import csv
-import statistics
-import time
 from pathlib import Path
 
 import torch
+from techniques import tracked_and_timed  # benchmarks/ is the script's directory
 from torch import nn
 
 from memfit.connector import setup
-from memfit.memory.measure import MB, MemoryTracker
+from memfit.memory.measure import MB
 from memfit.strategies import SingleDeviceStrategy
 
 RESULTS = Path(__file__).parent / "results"
@@ -52,19 +51,12 @@ def measure(precision: str, ac: bool, offload: bool, batch: int, steps: int) -> 
             loss = nn.functional.cross_entropy(model(x).float(), y)
         wrapper.update_params(loss)
 
-    step()
-    with MemoryTracker(model, wrapper.optimizer) as tracker:
-        step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+    tracker, seconds = tracked_and_timed(step, model, wrapper.optimizer, steps)
     b = tracker.breakdown
     return {"device_peak_mb": tracker.peak_bytes / MB, "host_peak_mb": tracker.host_peak_bytes / MB,
             "parameters_mb": b["parameters"] / MB, "gradients_mb": b["gradients"] / MB,
             "optimizer_state_mb": b["optimizer_state"] / MB, "activations_mb": b["activations"] / MB,
-            "step_s": statistics.median(times)}
+            "step_s": seconds}
 
 
 def chart(rows: list[dict], path: Path) -> None:

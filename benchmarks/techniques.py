@@ -129,6 +129,21 @@ def vit_b_setup(quick: bool) -> Setup:
 SETUPS = {"resnet18": resnet18_setup, "vit_b16": vit_b_setup}
 
 
+def tracked_and_timed(step: Callable[[], None], model: nn.Module, optimizer: Any, steps: int,
+                      ) -> tuple[MemoryTracker, float]:
+    """A warm-up ``step`` (the optimizer state exists from then on), one under memfit's tracker, then the
+    median seconds of ``steps`` more without it (shared with benchmarks/optimizer_offload.py)."""
+    step()
+    with MemoryTracker(model, optimizer) as tracker:
+        step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return tracker, statistics.median(times)
+
+
 def measure(
     row: Row, build: Callable[[], nn.Module], x: torch.Tensor, make_opt: Callable[..., Any], steps: int
 ) -> dict[str, float] | str:
@@ -152,14 +167,7 @@ def measure(
         opt.step()
         opt.zero_grad()
 
-    step()  # warm-up: the optimizer state now exists
-    with MemoryTracker(model, opt) as tracker:
-        step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+    tracker, seconds = tracked_and_timed(step, model, opt, steps)
     b = tracker.breakdown
     return {
         "peak_mb": tracker.peak_bytes / MB,
@@ -167,7 +175,7 @@ def measure(
         "gradients_mb": b["gradients"] / MB,
         "optimizer_state_mb": b["optimizer_state"] / MB,
         "activations_mb": (b["activations"] + b["inputs"]) / MB,
-        "step_s": statistics.median(times),
+        "step_s": seconds,
     }
 
 
