@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from torch import nn
@@ -182,15 +183,11 @@ def build_optimizer(model: nn.Module, cfg: Any, paramwise_cfg: dict | None = Non
     if not params:
         raise ConfigError("the model has no trainable parameters (all requires_grad=False)")
     if in_backward:
-        from functools import partial
-
         from memfit.optim.in_backward import OptimizerInBackward
 
         # Each per-parameter optimizer is built through the registry: its errors name the config key.
         return OptimizerInBackward(params, partial(_build_one, cfg))
     if offload:
-        from functools import partial
-
         from memfit.optim.offload import OffloadedOptimizer
 
         optimizer = OffloadedOptimizer(params, partial(_build_one, cfg))

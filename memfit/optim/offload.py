@@ -89,10 +89,10 @@ class OffloadedOptimizer(Optimizer):
         for group, host_group in zip(self.param_groups, self.host_optimizer.param_groups):
             group.update(_options(host_group))
 
-    def _pairs(self) -> Iterable[tuple[dict, dict, torch.Tensor, torch.Tensor]]:
+    def _pairs(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+        """Each device parameter with its host copy (a distinct tensor, also on a CPU run)."""
         for group, host_group in zip(self.param_groups, self.host_optimizer.param_groups):
-            for p, h in zip(group["params"], host_group["params"]):
-                yield group, host_group, p, h
+            yield from zip(group["params"], host_group["params"])
 
     def _sync_device(self) -> None:
         """Wait for the copies issued so far (pinned host memory is written asynchronously)."""
@@ -102,7 +102,7 @@ class OffloadedOptimizer(Optimizer):
     def _link_state(self) -> None:
         """Make ``self.state[p]`` the very dict the host optimizer keeps for ``p``'s host copy."""
         self.state = defaultdict(dict)
-        for _, _, p, h in self._pairs():
+        for p, h in self._pairs():
             if h in self.host_optimizer.state:
                 self.state[p] = self.host_optimizer.state[h]
 
@@ -115,19 +115,17 @@ class OffloadedOptimizer(Optimizer):
                 loss = closure()
         for group, host_group in zip(self.param_groups, self.host_optimizer.param_groups):
             host_group.update(_options(group))  # what a scheduler wrote
-        for _, _, p, h in self._pairs():
+        for p, h in self._pairs():
             # The device parameters are the truth: a checkpoint's or load_from's weights may have been
             # written since the last step, and nothing reliable (not even the version counter, which
             # torch.distributed.checkpoint's in-place loads do not bump) says so. One more copy of the
             # parameters' size over the link keeps the host copy exact.
-            if _local(p) is not _local(h):
-                _local(h).copy_(_local(p), non_blocking=True)
+            _local(h).copy_(_local(p), non_blocking=True)
             h.grad = None if p.grad is None else _to_host(p.grad)
         self._sync_device()
         self.host_optimizer.step()
-        for _, _, p, h in self._pairs():
-            if _local(p) is not _local(h):
-                _local(p).copy_(_local(h), non_blocking=True)
+        for p, h in self._pairs():
+            _local(p).copy_(_local(h), non_blocking=True)
             h.grad = None
         self._sync_device()
         self._link_state()
