@@ -57,11 +57,11 @@ def _like(local: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
                               shape=template.shape, stride=template.stride())
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of ``t`` (its local shard). From a GPU the copy is asynchronous into pinned memory;
-    on a CPU run ``.to`` returns the tensor itself (nothing to move)."""
+def _to_host(t: torch.Tensor, copy: bool = False) -> torch.Tensor:
+    """``t`` (its local shard) in host memory. From a GPU the copy is asynchronous into pinned memory;
+    on a CPU run ``t`` itself unless ``copy``."""
     local = _local(t)
-    return _like(local.to(HOST, non_blocking=local.device.type != "cpu"), t)
+    return _like(local.to(HOST, non_blocking=local.device.type != "cpu", copy=copy), t)
 
 
 class OffloadedOptimizer(Optimizer):
@@ -80,8 +80,7 @@ class OffloadedOptimizer(Optimizer):
         if not any(list(g["params"]) for g in groups):
             raise ConfigError("optimizer_offload: the optimizer got no parameters")
         with torch.no_grad():
-            host_groups = [{**g, "params": [_to_host(p).clone() if _local(p).device == HOST else _to_host(p)
-                                            for p in g["params"]]} for g in groups]
+            host_groups = [{**g, "params": [_to_host(p, copy=True) for p in g["params"]]} for g in groups]
         self.host_optimizer = optimizer_factory(host_groups)
         self.host_optimizer.host_resident = True
         super().__init__([dict(g, params=list(g["params"])) for g in groups], dict(self.host_optimizer.defaults))

@@ -26,6 +26,8 @@ from memfit.planner.devices import Device
 from memfit.planner.fake import StepMeasurement
 from memfit.planner.space import Plan
 
+HOST_STEP_BYTES_PER_S = 20e9  # an optimizer step on the host CPU (either offload) touches state at ~20 GB/s
+
 
 @dataclass(frozen=True)
 class ModelState:
@@ -56,10 +58,10 @@ def step_seconds(plan: Plan, micro: StepMeasurement, shard: StepMeasurement, sta
     if plan.offload == "params":
         passes = 2 if plan.sharding == "fsdp" else 1  # re-gathered in backward unless kept (zero2)
         offload = (k * passes * state.params + state.grads) / (device.host_bw * 1e9)
-        optimizer = moved / (20e9)  # the step runs on the host (~20 GB/s)
+        optimizer = moved / HOST_STEP_BYTES_PER_S
     elif plan.offload == "optimizer":
         offload = (2 * state.params + state.grads) / (device.host_bw * 1e9)
-        optimizer = moved / (20e9)
+        optimizer = moved / HOST_STEP_BYTES_PER_S
     else:
         optimizer = moved / (device.mem_bw * 1e9)
     return max(compute, comm) + offload + optimizer
