@@ -1,13 +1,64 @@
 """Fake steps in forked workers, and the fall-back to this process once forking cannot run backward."""
 
+import contextlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 
+from memfit.cli import main
 from memfit.config import Config
 from memfit.planner.devices import gpu
 from memfit.planner.predict import predict
 
+# ``memfit ARGV`` in a fresh process, as the command runs, each fake step appending the pid of the process
+# that ran it to $MEMFIT_TEST_PIDS. The wrapper is this script's: forked workers inherit it, and the pool
+# sends it to them by name (__main__._run_one), as it sends the real one.
+_RECORD_PIDS = """
+import os, sys
+from memfit.planner import runs
 
-def test_predictions_in_workers_match_in_process_and_survive_a_second_call(tiny_config, tmp_path, monkeypatch):
+_step = runs._run_one
+
+def _run_one(*args, **kwargs):
+    with open(os.environ["MEMFIT_TEST_PIDS"], "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    return _step(*args, **kwargs)
+
+runs._run_one = _run_one
+from memfit.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_fresh_memfit_plan_runs_its_steps_in_two_forked_workers_and_matches_one_process(tiny_config, tmp_path):
+    """The default path: a fresh ``memfit plan`` forks its workers before any backward ran, and every fake
+    step runs in one of them (two distinct pids, neither the command's); the JSON document equals a plan
+    run step by step in one process (a GPU target: its time model is a formula, not timed here)."""
+    cfg, pids = tiny_config(tmp_path), tmp_path / "pids"
+    args = ["plan", str(cfg), "--gpu", "4090", "--png", str(tmp_path / "chart.png")]
+    env = {**os.environ, "MEMFIT_PLAN_WORKERS": "2", "MEMFIT_TEST_PIDS": str(pids), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", _RECORD_PIDS, *args, "--json", str(tmp_path / "pool.json")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-4000:]
+    ran = [int(line) for line in pids.read_text().split()]
+    steps = int(re.search(r"\((\d+) fake steps\)", out).group(1))
+    assert len(ran) == steps > 2
+    assert len(set(ran)) == 2 and proc.pid not in ran, (set(ran), proc.pid)  # the pool ran them, both workers
+
+    with contextlib.redirect_stdout(io.StringIO()):  # this process, MEMFIT_PLAN_WORKERS=1 (conftest.py)
+        assert main([*args, "--json", str(tmp_path / "serial.json")]) == 0
+    pooled, serial = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("pool", "serial"))
+    assert pooled == serial and len(serial["plans"]) > 10
+
+
+def test_after_a_backward_here_the_runs_fall_back_to_this_process_and_survive_a_second_call(
+        tiny_config, tmp_path, monkeypatch):
     cfg = Config.fromfile(str(tiny_config(tmp_path))).to_dict()
     monkeypatch.setenv("MEMFIT_PLAN_WORKERS", "1")
     serial = predict(cfg, device=gpu("H100"), verify=False)
