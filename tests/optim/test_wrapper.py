@@ -150,9 +150,36 @@ def test_fixed_loss_scale_stays_fixed_and_still_skips_overflows():
     assert w.scaler.get_scale() == 512.0 and int(w.skipped_steps) == 1
 
 
-def test_clip_grad_logs_norm():
-    model = Linear()
-    w = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), clip_grad=dict(max_norm=1e-3))
-    w.initialize_count_status(model, 0, 1)
-    w.update_params(model(torch.randn(4, 8)).sum() * 100)
-    assert w.log_scalars()["grad_norm"] > 1e-3
+@pytest.mark.parametrize("wrapper", ["fp32", "fp16-scaled"])
+def test_clip_grad_equals_torch_clip_grad_norm_and_logs_the_total_norm(wrapper):
+    """Three SGD-momentum steps clipped at max_norm=1 against torch's clip_grad_norm_ and a plain optimizer step
+    on an identical model: the same weights, and the logged norm is the true total norm before clipping (of
+    the unscaled gradients under a loss scale of 512: unscaled first, then clipped)."""
+    torch.manual_seed(3)
+    x, y = torch.randn(4, 8), torch.randn(4, 3)
+    model, ref = Linear(), Linear()
+    if wrapper == "fp32":
+        w = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), clip_grad=dict(max_norm=1.0))
+        autocast = torch.autocast("cpu", enabled=False)
+    else:
+        w = AmpOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), dtype="float16",
+                            loss_scale=512.0, clip_grad=dict(max_norm=1.0))
+        autocast = torch.autocast("cpu", dtype=torch.float16)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    w.initialize_count_status(model, 0, 3)
+    for _ in range(3):
+        with w.optim_context(model):
+            loss = nn.functional.mse_loss(model(x).float(), y) * 100
+        w.update_params(loss)
+        with autocast:
+            ref_loss = nn.functional.mse_loss(ref(x).float(), y) * 100
+        ref_loss.backward()
+        true_norm = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in ref.parameters()]))
+        assert true_norm > 10  # every step is clipped (to a tenth or less)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=1.0)
+        opt.step()
+        opt.zero_grad()
+        # fp32 rounding only: the norm summed in another order (torch's per-tensor norms, then their norm).
+        torch.testing.assert_close(w.log_scalars()["grad_norm"], true_norm, rtol=1e-6, atol=0)
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

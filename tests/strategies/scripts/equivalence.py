@@ -3,7 +3,8 @@
 Each variant builds the same tiny model (same seed), prepares it with its strategy and trains a
 few steps on this rank's share of a fixed global batch; it records the global loss (mean over
 ranks) per step and the final full parameters. Rank 0 also runs the single-process reference on
-the whole global batch. One launch covers all variants (a torchrun start costs seconds of imports).
+the whole global batch, and the clipped run in plain torch (``torch_clipped``). One launch covers all
+variants (a torchrun start costs seconds of imports).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def run(strategy, optim, *, accum: int = 1, frozen: bool = False, techniques=Non
     init = full_params(strategy, model)
     wrapper.initialize_count_status(model, 0, -1)
     rank, world = (dist.get_rank(), dist.get_world_size()) if local else (0, 1)
-    losses, synced = [], []
+    losses, synced, norms = [], [], []
     for step in range(STEPS):
         x, y = data(step)
         per_rank = GLOBAL_BATCH // world
@@ -87,11 +88,32 @@ def run(strategy, optim, *, accum: int = 1, frozen: bool = False, techniques=Non
         if local:
             total = dist.all_reduce_mean(total)
         losses.append(float(total))
+        if "grad_norm" in wrapper.log_scalars():
+            norms.append(float(wrapper.log_scalars()["grad_norm"]))
     out = {"losses": losses, "params": full_params(strategy, model), "init": init,
-           "units": getattr(strategy, "units", [])}
+           "units": getattr(strategy, "units", []), "grad_norms": norms}
     if record_sync:
         out["after_first_micro"] = synced
     return out
+
+
+def torch_clipped(max_norm: float, lr: float) -> dict:
+    """The clipped run without memfit: the same model and global batches, torch's AdamW and
+    ``clip_grad_norm_``; ``grad_norms``: the total norm of all gradients before clipping."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses, norms = [], []
+    for step in range(STEPS):
+        x, y = data(step)
+        loss = model(x, y, mode="loss")["loss"]
+        loss.backward()
+        norms.append(float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))))
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses, "params": full_params(None, model), "grad_norms": norms}
 
 
 def _grad_state(strategy, model) -> str:
@@ -121,6 +143,8 @@ def main() -> None:
         "ddp_zero_wrapper": (lambda: DDPStrategy(), dict(adamw, type="ZeroOptimWrapper"), {}),
         "ddp_accum": (lambda: DDPStrategy(), sgd, dict(accum=2, record_sync=True)),
         "fsdp": (lambda: FSDPStrategy(), adamw, {}),
+        "ddp_clip": (lambda: DDPStrategy(), clipped, {}),
+        "zero_clip": (lambda: DDPStrategy(zero=True), clipped, {}),
         "fsdp_clip": (lambda: FSDPStrategy(), clipped, {}),
         "fsdp_offload": (lambda: FSDPStrategy(cpu_offload=True), adamw, {}),
         "fsdp_bf16": (lambda: FSDPStrategy(mixed_precision=dict(param_dtype="bfloat16", reduce_dtype="float32")),
@@ -128,7 +152,7 @@ def main() -> None:
         "fsdp_amp": (lambda: FSDPStrategy(), bf16, {}),
         "fsdp_ckpt": (lambda: FSDPStrategy(), adamw, dict(techniques=ckpt)),
         "fsdp_frozen": (lambda: FSDPStrategy(), adamw, dict(frozen=True)),
-        "fsdp_accum": (lambda: FSDPStrategy(), adamw, dict(accum=2, record_sync=True)),
+        "fsdp_accum": (lambda: FSDPStrategy(), sgd, dict(accum=2, record_sync=True)),
         "fsdp_names": (lambda: FSDPStrategy(wrap_modules=["blocks.0", "head"]), adamw, {}),
         # Optimizer offload (state and step on the host) under each strategy that takes it.
         "ddp_optoffload": (lambda: DDPStrategy(), adamw, dict(offload=True)),
@@ -148,6 +172,7 @@ def main() -> None:
                 "adamw_frozen": (adamw, dict(frozen=True))}
         for name, (optim, kw) in refs.items():
             results[f"ref_{name}"] = run(SingleDeviceStrategy(), optim, local=False, **kw)
+        results["torch_clipped"] = torch_clipped(clipped["clip_grad"]["max_norm"], adamw["optimizer"]["lr"])
     write_result(results)
 
 
