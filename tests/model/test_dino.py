@@ -235,13 +235,18 @@ def test_train_step_runs_on_fake_tensors_with_the_stand_in_matching(monkeypatch)
 @pytest.mark.filterwarnings("ignore:The image decoding and encoding:DeprecationWarning")
 def test_runner_trains_and_evaluates_dino_on_shapes_coco(tmp_path):
     """End to end through MMDetection's config language: CocoDataset + pipelines, DetDataPreprocessor, DINO,
-    CocoMetric (the val pipeline resizes 64 -> 96 px, so predictions go back through scale_factor)."""
+    CocoMetric (the val pipeline resizes 64 -> 96 px, so predictions go back through scale_factor).
+
+    The runner trains: 8 AdamW steps on one fixed batch of 4 images (no flip) lower the loss (measured 24.7 ->
+    17.6-18.7 over the last three, x0.74; asserted x0.85). Too few steps for a mAP above 0 (DINO needs hundreds),
+    so the metric is checked for its keys and range only; tests/evaluator checks its numbers."""
     from memfit import Runner
     from memfit.config import Config
     from memfit.data import write_shapes_coco
+    from memfit.hooks import Hook
 
     root = tmp_path / "shapes_coco"
-    for split, num in (("train", 8), ("val", 4)):
+    for split, num in (("train", 4), ("val", 4)):
         write_shapes_coco(root, num=num, image_size=64, num_classes=4, split=split)
     cfg = Config.fromfile(Path(__file__).parents[2] / "configs" / "detection" / "fcos_r18_shapes-coco.py")
     cfg.model = tiny_cfg()
@@ -250,11 +255,23 @@ def test_runner_trains_and_evaluates_dino_on_shapes_coco(tmp_path):
         loader["num_workers"] = 0
         loader.pop("persistent_workers", None)
     cfg.train_dataloader["batch_size"] = 4
+    train_set = cfg.train_dataloader["dataset"]
+    train_set["pipeline"] = [t for t in train_set["pipeline"] if t["type"] != "RandomFlip"]
+    cfg.train_cfg = dict(by_epoch=True, max_epochs=8, val_interval=8)
+    cfg.default_hooks["checkpoint"] = dict(type="CheckpointHook", interval=8)
     cfg.param_scheduler = []
     cfg.val_evaluator["ann_file"] = str(root / "annotations" / "instances_val.json")
     cfg.work_dir = str(tmp_path / "work")
+    losses = []
+
+    class RecordLoss(Hook):
+        def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):
+            losses.append(float(outputs["loss"]))
+
+    cfg.custom_hooks = [RecordLoss()]
     runner = Runner.from_cfg(cfg)
     runner.train()
+    assert len(losses) == 8 and sum(losses[-3:]) / 3 < 0.85 * losses[0], losses
     metrics = runner.val_loop.run()
     assert set(metrics) >= {f"coco/bbox_mAP{s}" for s in ("", "_50", "_75")}
     assert 0.0 <= metrics["coco/bbox_mAP"] <= 1.0
