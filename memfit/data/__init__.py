@@ -5,6 +5,7 @@ Importing this package registers ``ShapesDataset``, ``ImageFolder`` and ``CocoDa
 ``DefaultSampler``/``InfiniteSampler`` in DATA_SAMPLERS and MMDetection's transforms in DET_TRANSFORMS.
 """
 
+from memfit.data import det_resize  # noqa: F401 - registers Resize, RandomChoiceResize, RandomResize, Pad
 from memfit.data.coco import CocoDataset
 from memfit.data.image_folder import ImageFolder
 from memfit.data.loader import adapt_dataloader, build_collate_fn, build_dataloader, build_sampler

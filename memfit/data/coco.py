@@ -129,6 +129,16 @@ class CocoDataset(Dataset):
     def __len__(self) -> int:
         return len(self._img_ids)
 
+    def image_sizes(self) -> np.ndarray:
+        """The distinct ``(height, width)`` of the images, from the annotation file (int64 ``[n, 2]``)."""
+        return np.unique(self._sizes, axis=0)
+
+    def max_boxes_per_image(self) -> int:
+        """The most ground-truth (non-crowd) boxes one image holds, from the annotation file."""
+        counts = np.add.reduceat(~self._crowd, self._offsets[:-1]) if len(self._crowd) else np.zeros(0, np.int64)
+        counts = np.where(np.diff(self._offsets) > 0, counts, 0)  # reduceat gives an empty image the next's count
+        return int(counts.max(initial=0))
+
     def _path(self, idx: int) -> str:
         return os.path.join(self.img_prefix, str(self._file_names[idx]))
 

@@ -21,12 +21,14 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torchvision.io
 from torchvision import tv_tensors
 from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as F
 
+from memfit.data import sizes as S
 from memfit.errors import ConfigError, did_you_mean
 from memfit.registry import DET_TRANSFORMS, TRANSFORMS
 
@@ -78,8 +80,16 @@ class DetCompose:
                 return None
         return results
 
+    def output_sizes(self, sizes: np.ndarray) -> np.ndarray:
+        return S.chain(self.transforms, sizes)
+
     def __repr__(self) -> str:
         return f"DetCompose({self.transforms!r})"
+
+
+def _same_size(self: Any, sizes: np.ndarray) -> np.ndarray:
+    """The ``output_sizes`` of a transform that keeps the image's size (:mod:`memfit.data.sizes`)."""
+    return sizes
 
 
 def _hw(results: Results) -> tuple[int, int]:
@@ -107,6 +117,8 @@ class LoadImageFromFile:
     the data preprocessor's ``bgr_to_rgb=False``). Sets ``img``, ``img_shape``, ``ori_shape`` and the
     defaults ``scale_factor=(1.0, 1.0)``, ``flip=False``, ``flip_direction=None``. ``ignore_empty``
     skips a missing file (the dataset loads another); otherwise a missing file is a ConfigError."""
+
+    output_sizes = _same_size
 
     def __init__(self, to_float32: bool = False, color_type: str = "color", imdecode_backend: str = "cv2",
                  ignore_empty: bool = False, backend_args: dict | None = None) -> None:
@@ -143,6 +155,8 @@ class LoadAnnotations:
     ``gt_ignore_flags``, in the coordinates of the original image (as MMDetection, even when it
     follows a Resize in a test pipeline). Masks and segmentation maps are not supported."""
 
+    output_sizes = _same_size
+
     def __init__(self, with_bbox: bool = True, with_label: bool = True, with_mask: bool = False,
                  with_seg: bool = False, poly2mask: bool = True, box_type: str = "hbox",
                  backend_args: dict | None = None) -> None:
@@ -166,100 +180,13 @@ class LoadAnnotations:
         return results
 
 
-def rescale_size(old_size: tuple[int, int], scale: float | tuple[int, int]) -> tuple[tuple[int, int], float]:
-    """MMCV's ``rescale_size``: ``(w, h)`` scaled by ``scale`` (a number), or as large as fits with its
-    long edge <= max(scale) and short edge <= min(scale) (a tuple); rounded half up as MMCV does.
-    Returns ``((new_w, new_h), factor)``."""
-    w, h = old_size
-    if isinstance(scale, (int, float)):
-        factor = float(scale)
-    else:
-        factor = min(max(scale) / max(h, w), min(scale) / min(h, w))
-    return (int(w * factor + 0.5), int(h * factor + 0.5)), factor
-
-
-@DET_TRANSFORMS.register()
-class Resize:
-    """MMDetection's Resize: to ``scale`` (w, h) exactly, or with ``keep_ratio`` as large as fits in it
-    (MMCV's rounding); or by ``scale_factor``. Boxes scale by (new_w / w, new_h / h) and are clipped
-    (``clip_object_border``). ``scale_factor`` in the results multiplies over successive resizes, so
-    it maps the last resize back to the loaded image (MMCV stores only the last resize's factor; the
-    two agree for one Resize, as in test pipelines). Images are resized with antialiasing."""
-
-    def __init__(self, scale: int | Sequence[int] | None = None, scale_factor: float | Sequence[float] | None = None,
-                 keep_ratio: bool = False, clip_object_border: bool = True, backend: str = "cv2",
-                 interpolation: str = "bilinear") -> None:
-        if scale is None and scale_factor is None:
-            raise ConfigError("Resize: set scale=(w, h) or scale_factor")
-        if interpolation not in _INTERPOLATION:
-            raise ConfigError(f"Resize: interpolation={interpolation!r}: {did_you_mean(interpolation, _INTERPOLATION)}")
-        self.scale = (scale, scale) if isinstance(scale, int) else (None if scale is None else tuple(scale))
-        self.scale_factor = scale_factor
-        self.keep_ratio = keep_ratio
-        self.clip_object_border = clip_object_border
-        self.interpolation = interpolation
-
-    def target_size(self, h: int, w: int) -> tuple[int, int]:
-        """The (new_h, new_w) for an image of (h, w)."""
-        scale = self.scale
-        if scale is None:
-            sf = self.scale_factor
-            sx, sy = (sf, sf) if isinstance(sf, (int, float)) else sf
-            scale = (int(w * sx + 0.5), int(h * sy + 0.5))  # MMCV's _scale_size
-        if self.keep_ratio:
-            (new_w, new_h), _ = rescale_size((w, h), scale)
-        else:
-            new_w, new_h = scale
-        return new_h, new_w
-
-    def __call__(self, results: Results) -> Results:
-        h, w = _hw(results)
-        new_h, new_w = self.target_size(h, w)
-        results["img"] = F.resize(results["img"], [new_h, new_w], interpolation=_INTERPOLATION[self.interpolation],
-                                  antialias=self.interpolation != "nearest")
-        if "gt_bboxes" in results:
-            boxes = F.resize(results["gt_bboxes"], [new_h, new_w])
-            _set_boxes(results, _clip(boxes) if self.clip_object_border else boxes)
-        fx, fy = results.get("scale_factor", (1.0, 1.0))
-        results["scale_factor"] = (fx * new_w / w, fy * new_h / h)
-        results["img_shape"] = (new_h, new_w)
-        results["keep_ratio"] = self.keep_ratio
-        return results
-
-    def __repr__(self) -> str:
-        return f"Resize(scale={self.scale}, scale_factor={self.scale_factor}, keep_ratio={self.keep_ratio})"
-
-
-@DET_TRANSFORMS.register()
-class RandomChoiceResize:
-    """MMCV's RandomChoiceResize: Resize to one of ``scales`` drawn uniformly (``scale_idx`` records it)."""
-
-    def __init__(self, scales: Sequence[int | Sequence[int]], resize_type: str = "Resize",
-                 **resize_kwargs: Any) -> None:
-        # MMCV: a list of scales, or one scale; a tuple of (w, h) pairs is read as a list too
-        many = isinstance(scales, list) or (
-            isinstance(scales, tuple) and all(isinstance(s, (list, tuple)) for s in scales))
-        self.scales = list(scales) if many else [scales]
-        if not self.scales:
-            raise ConfigError("RandomChoiceResize: scales is empty: give a list of (w, h)")
-        self.resizes = [DET_TRANSFORMS.build(dict(type=resize_type, scale=s, **resize_kwargs),
-                                             key="RandomChoiceResize") for s in self.scales]
-
-    def __call__(self, results: Results) -> Results:
-        idx = int(torch.randint(len(self.scales), ()))
-        results = self.resizes[idx](results)
-        results["scale_idx"] = idx
-        return results
-
-    def __repr__(self) -> str:
-        return f"RandomChoiceResize(scales={self.scales})"
-
-
 @DET_TRANSFORMS.register()
 class RandomFlip:
     """MMDetection's RandomFlip: flip with probability ``prob`` in ``direction`` ('horizontal',
     'vertical', 'diagonal'; a list splits ``prob`` evenly, or pairs with a list of ``prob``).
     Sets ``flip`` and ``flip_direction``."""
+
+    output_sizes = _same_size
 
     def __init__(self, prob: float | Sequence[float] | None = None,
                  direction: str | Sequence[str] = "horizontal") -> None:
@@ -333,6 +260,20 @@ class RandomCrop:
             a, b = (lo + float(torch.rand(())) * (1 - lo) for lo in (a, b))
         return int(h * a + 0.5), int(w * b + 0.5)
 
+    def output_sizes(self, sizes: np.ndarray) -> np.ndarray:
+        """Every crop size :meth:`crop_hw` can draw for each ``(h, w)``."""
+        h, w = sizes[:, 0], sizes[:, 1]
+        a, b = self.crop_size
+        if self.crop_type == "absolute":
+            return np.stack([np.minimum(int(a), h), np.minimum(int(b), w)], axis=1)
+        if self.crop_type == "absolute_range":
+            return S.grid(np.stack([np.minimum(h, a), np.minimum(h, b)], 1),
+                          np.stack([np.minimum(w, a), np.minimum(w, b)], 1))
+        lo_h, lo_w = (h * a + 0.5).astype(np.int64), (w * b + 0.5).astype(np.int64)
+        if self.crop_type == "relative":
+            return np.stack([lo_h, lo_w], axis=1)
+        return S.grid(np.stack([lo_h, h], 1), np.stack([lo_w, w], 1))  # relative_range: a fraction in [lo, 1)
+
     def __call__(self, results: Results) -> Results | None:
         h, w = _hw(results)
         ch, cw = self.crop_hw(h, w)
@@ -374,6 +315,9 @@ class RandomChoice:
             idx = int(torch.multinomial(self.prob, 1))
         return self.transforms[idx](results)
 
+    def output_sizes(self, sizes: np.ndarray) -> np.ndarray:
+        return np.concatenate([t.output_sizes(sizes) for t in self.transforms])
+
     def __repr__(self) -> str:
         return f"RandomChoice({self.transforms!r})"
 
@@ -382,6 +326,8 @@ class RandomChoice:
 class FilterAnnotations:
     """MMDetection's FilterAnnotations: drop boxes not wider than ``min_gt_bbox_wh[0]`` and taller than
     ``min_gt_bbox_wh[1]``; with none left, ``keep_empty=True`` skips the sample (MMDetection's naming)."""
+
+    output_sizes = _same_size
 
     def __init__(self, min_gt_bbox_wh: Sequence[float] = (1.0, 1.0), min_gt_mask_area: int = 1, by_box: bool = True,
                  by_mask: bool = False, keep_empty: bool = True) -> None:
@@ -406,6 +352,8 @@ class PackDetInputs:
     """The last transform: ``{'inputs': uint8 [3, H, W], 'data_samples': dict}`` where the dict holds
     the ``meta_keys`` present in the results, ``img_shape`` (the image's own), ``gt_instances`` (boxes
     float32 [n, 4] XYXY, labels int64 [n]) and ``ignored_instances`` (the crowd boxes)."""
+
+    output_sizes = _same_size
 
     def __init__(self, meta_keys: Sequence[str] = DEFAULT_META_KEYS) -> None:
         self.meta_keys = tuple(meta_keys)

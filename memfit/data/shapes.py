@@ -151,6 +151,10 @@ class ShapesDataset(Dataset):
             "labels": torch.from_numpy(labels),
         }
 
+    def image_sizes(self) -> np.ndarray:
+        """The ``(height, width)`` of every image before ``transform``: one size (int64 ``[1, 2]``)."""
+        return np.asarray([[self.image_size, self.image_size]], dtype=np.int64)
+
     def draw(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Draw item ``index``: (uint8 image [3, S, S], float32 boxes [n, 4], int64 labels [n])."""
         rng = np.random.default_rng([self.seed % (1 << 64), self._split_key, index])

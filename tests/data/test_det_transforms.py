@@ -9,7 +9,8 @@ import torchvision.transforms.v2 as T
 from torchvision import tv_tensors
 
 from memfit.data import build_transforms
-from memfit.data.det_transforms import build_det_pipeline, rescale_size
+from memfit.data.det_resize import rescale_size
+from memfit.data.det_transforms import build_det_pipeline
 from memfit.errors import ConfigError
 
 
@@ -161,7 +162,7 @@ def test_filter_annotations_and_torchvision_fallback():
 
 def test_names_resolve_mmdetection_first_and_classification_stays_torchvision():
     assert type(build_det_pipeline([dict(type="Resize", scale=(8, 8))]).transforms[0]).__module__.endswith(
-        "det_transforms")
+        "det_resize")
     assert isinstance(build_transforms([dict(type="Resize", size=8)]).transforms[0], T.Resize)
     assert isinstance(build_transforms([dict(type="RandomCrop", size=8)]).transforms[0], T.RandomCrop)
     with pytest.raises(ConfigError, match=r"pipeline\[0\]: unknown transform type 'RandomFlipp': did you mean"):
