@@ -191,8 +191,27 @@ def test_deepcopy_keeps_checkpointing_on_the_copy() -> None:
     assert clone.layer1[0].conv1.weight.grad is not None
 
 
+def output_bytes(model: nn.Module, x: torch.Tensor, names: list[str]) -> dict[str, int]:
+    """Bytes of each named module's output in one forward of ``model`` (the activations it makes)."""
+    out: dict[str, int] = {}
+    handles = [model.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: out.__setitem__(n, o.nbytes))
+               for n in names]
+    with torch.no_grad():
+        model(x)
+    for h in handles:
+        h.remove()
+    return out
+
+
 def test_lowers_peak_memory_for_each_mode() -> None:
-    """Measured with the CPU tracker on a step where activations dominate."""
+    """Measured with the CPU tracker on a step where activations dominate; each mode must drop at least part of
+    the activations it recomputes, a floor derived from the model (as the splits and Conv-BN tests do).
+
+    ViT (4 blocks, batch 8, 65 tokens of width 192): a block's internal outputs (norm1, qkv, norm2, fc1, GELU)
+    are 5.0 MiB, all saved for backward; 2.3 MiB of them are not GEMM outputs (the norms, GELU), which the
+    selective policy recomputes. Measured drops of the peak: one block 5.7 MiB (1.16 blocks), every 2nd 5.7
+    MiB (1.16), every block 13.2 MiB (2.67: all but about the one being recomputed), selective 5.4 MiB (2.3
+    blocks' non-GEMM outputs). Asserted: half a block, half a block, 2 blocks, one block's non-GEMM outputs."""
 
     def peak(spec: object) -> tuple[int, int]:
         model, x = vit(batch=8, img_size=64, patch_size=8, depth=4)
@@ -202,16 +221,20 @@ def test_lowers_peak_memory_for_each_mode() -> None:
             loss_and_grads(model, x)
         return t.peak_bytes, t.breakdown["activations"]
 
+    model, x = vit(batch=8, img_size=64, patch_size=8, depth=4)
+    outputs = output_bytes(model, x, [f"blocks.0.{n}" for n in ("norm1", "attn.qkv", "norm2", "mlp.fc1", "mlp.act")])
+    block = sum(outputs.values())
+    non_gemm = sum(v for n, v in outputs.items() if not n.endswith(("qkv", "fc1")))
     plain_peak, plain_act = peak(None)
-    specs = {
-        "name": ["blocks.0"],
-        "type": dict(types=["Block"]),
-        "every_n": dict(types=["Block"], every_n=2),
-        "selective": dict(types=["Block"], selective=True),
+    specs = {  # mode: (spec, the floor of its drop)
+        "name": (["blocks.0"], 0.5 * block),
+        "type": (dict(types=["Block"]), 2 * block),
+        "every_n": (dict(types=["Block"], every_n=2), 0.5 * block),
+        "selective": (dict(types=["Block"], selective=True), non_gemm),
     }
-    peaks = {mode: peak(spec) for mode, spec in specs.items()}
+    peaks = {mode: peak(spec) for mode, (spec, _) in specs.items()}
     for mode, (p, a) in peaks.items():
-        assert p < plain_peak and a < plain_act, mode
+        assert plain_peak - p >= specs[mode][1] and a < plain_act, (mode, plain_peak - p, specs[mode][1])
     assert peaks["type"][0] < peaks["every_n"][0]
     assert peaks["type"][0] < peaks["selective"][0]  # selective keeps the GEMM outputs
 
@@ -223,9 +246,15 @@ def test_lowers_peak_memory_for_each_mode() -> None:
             loss_and_grads(model, x)
         return t.peak_bytes
 
-    plain = resnet_peak(None)
-    assert resnet_peak(LAYERS) < plain
-    assert resnet_peak(dict(types=["BasicBlock"])) < resnet_peak(LAYERS)
+    # ResNet-18's peak comes late in backward, beside nearly all of its 45 MiB of gradients, while layer1 runs
+    # backward. Checkpointed by block, layer1 recomputes one block at a time there, by layer both blocks at once:
+    # the two differ by one block's saved activations, its conv1, bn1 (ReLU in place) and conv2 outputs (3.0 MiB;
+    # measured 3.0, asserted 0.9 x). By layer the peak still drops at least one of those (1 MiB; measured 2).
+    model, x = resnet18_frozen_bn(batch=16, size=64)
+    saved = output_bytes(model, x, ["layer1.1.conv1", "layer1.1.bn1", "layer1.1.conv2"])
+    plain, layers, blocks = resnet_peak(None), resnet_peak(LAYERS), resnet_peak(dict(types=["BasicBlock"]))
+    assert plain - layers >= max(saved.values()), (plain - layers, saved)
+    assert layers - blocks >= 0.9 * sum(saved.values()), (layers - blocks, saved)
 
 
 @pytest.mark.parametrize(

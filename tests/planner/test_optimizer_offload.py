@@ -32,7 +32,11 @@ def test_offload_rows_equal_the_step_that_offloads(planned):
     rows = {r.plan: r for r in pred.results}
     offloaded = [r for r in pred.results if r.plan.offload == "optimizer"]
     assert {r.plan.sharding for r in offloaded} == {"none", "zero2", "fsdp"}  # not ZeRO-1: it builds its own
-    facts = ModelFacts.of(build_meta_model(cfg["model"]))
+    meta = build_meta_model(cfg["model"])
+    facts = ModelFacts.of(meta)
+    # SGD with momentum keeps one fp32 buffer per parameter: the optimizer state a rank holds is a copy of its
+    # parameters, all of them unsharded and at least half of them (shards padded) under ZeRO-2/FSDP at 2 ranks.
+    momentum = 4 * sum(p.numel() for p in meta.parameters())
     for sharding in ("none", "zero2", "fsdp"):
         plan = Plan("fp32", "none", sharding, "optimizer", micro_batch=1)
         composed = rows[plan]
@@ -44,7 +48,8 @@ def test_offload_rows_equal_the_step_that_offloads(planned):
         # And it saves the device the optimizer's memory, for modelled time over the host link.
         plain = rows[replace(plan, offload="none")]
         saved = _tracked(plain.breakdown) - _tracked(composed.breakdown)
-        assert 0 < saved <= plain.breakdown["optimizer_state"], sharding
+        floor = momentum if sharding == "none" else momentum / 2  # measured: exactly the state, 117136 / 62792 B
+        assert floor <= saved <= plain.breakdown["optimizer_state"], (sharding, saved, floor)
         assert composed.seconds > plain.seconds
 
 
