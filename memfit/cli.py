@@ -66,16 +66,27 @@ def _auto_fit_cfg(cfg: Any) -> dict:
     return auto_fit_options(cfg.get("auto_fit") or True)
 
 
+def _planner_cfg(args: argparse.Namespace) -> dict:
+    """The config for ``plan`` and ``bench``, with ``--input-shape`` as ``planner.input_shape``."""
+    cfg = _load_cfg(args).to_dict()
+    if args.input_shape:
+        from memfit.planner.inputs import parse_input_shape
+
+        parse_input_shape(args.input_shape, "--input-shape")  # named as the user wrote it
+        cfg["planner"] = {**(cfg.get("planner") or {}), "input_shape": args.input_shape}
+    return cfg
+
+
 def _plan(args: argparse.Namespace) -> int:
     from memfit.planner.commands import plan_command
 
-    return plan_command(args, _load_cfg(args).to_dict())
+    return plan_command(args, _planner_cfg(args))
 
 
 def _bench(args: argparse.Namespace) -> int:
     from memfit.planner.commands import bench_command
 
-    return bench_command(args, _load_cfg(args).to_dict())
+    return bench_command(args, _planner_cfg(args))
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -164,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--gpu", metavar="NAME", help="predict for a GPU of the planner's table: 3090, 4090, A100-40, "
                        "A100-80, H100, L4, T4, ... (docs/planner.md)")
         p.add_argument("--gpu-mem", metavar="SIZE", help="predict for a GPU with this much memory (e.g. 24GiB)")
+        p.add_argument("--input-shape", metavar="BxCxHxW", help="plan for this image batch (e.g. 2x3x800x1344, or "
+                       "HxW) instead of the largest the train pipeline can make")
 
     p = sub.add_parser("plan", help="predict per-rank peak memory and relative step time of every plan (no GPU "
                        "needed)")

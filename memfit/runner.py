@@ -162,6 +162,7 @@ class Runner:
         kwargs = {k: copy_cfg(v) for k, v in cfg.items() if k in RUNNER_KEYS and k != "cfg"}
         kwargs["cfg"] = {**(cfg.get("cfg") or {}), **{k: cfg[k] for k in TECHNIQUE_KEYS + HELPER_KEYS if k in cfg}}
         kwargs["cfg"].pop("auto_fit", None)
+        kwargs["cfg"].pop("planner", None)
         runner = cls(**kwargs)
         if fitted:
             runner.logger.info(fitted)

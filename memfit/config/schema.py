@@ -62,6 +62,7 @@ TECHNIQUE_KEYS: tuple[str, ...] = (
     "activation_offload",
     "memory_monitor",
     "auto_fit",  # dict(budget='24GiB', gpus=8): memfit.planner.autofit, applied by Runner.from_cfg
+    "planner",  # dict(input_shape='2x3x800x1344'): what the planner plans for (memfit.planner.inputs)
 )
 
 # MMEngine config variables that other keys are built from (``visualizer = dict(vis_backends=vis_backends)``);

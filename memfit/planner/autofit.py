@@ -76,7 +76,8 @@ def apply_auto_fit(cfg: dict, value: Any = True) -> tuple[dict, str]:
     fitted = best.plan.apply(cfg, facts)
     line = (
         f"auto_fit: {best.plan.name} (predicted peak {size(best.peak_bytes)} of {size(budget)} per rank, "
-        f"{best.rel_step_time:.2f}x the configured step time; {len(pred.results)} plans, {pred.seconds:.0f} s)"
+        f"{best.rel_step_time:.2f}x the configured step time; {len(pred.results)} plans, {pred.seconds:.0f} s; "
+        f"planned for {pred.input.describe()})"
         + "".join(f"; note: {n}" for n in pred.notes))
     work_dir = cfg.get("work_dir")
     if work_dir and int(os.environ.get("RANK", 0)) == 0:

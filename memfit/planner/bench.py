@@ -20,7 +20,7 @@ import torch
 
 from memfit.memory.measure import MemoryTracker
 from memfit.memory.storages import optimizer_state_tensors
-from memfit.planner.fake import first_batch
+from memfit.planner.inputs import Inputs
 from memfit.planner.space import ModelFacts, Plan, technique_cfg
 
 WARMUP_STEPS = 8  # GradScaler halves its scale at each skipped step: 2**16 -> 2**8 at most
@@ -43,7 +43,8 @@ def _sync(device: torch.device) -> None:
 
 def measure_plan(cfg: dict, plan: Plan, facts: ModelFacts, steps: int = 3, batch: Any = None) -> Measured:
     """Peak bytes (tracker) and median optimizer-step seconds of ``plan`` applied to ``cfg``, on the
-    device the strategy picks (this process's GPU, else the CPU)."""
+    device the strategy picks (this process's GPU, else the CPU), on ``batch`` (default: the largest batch
+    the train pipeline can make, :mod:`memfit.planner.inputs`)."""
     from memfit.connector import setup
     from memfit.optim.builder import scale_lr_cfg
     from memfit.precision import precision_options
@@ -62,7 +63,7 @@ def measure_plan(cfg: dict, plan: Plan, facts: ModelFacts, steps: int = 3, batch
     model, wrapper = setup(model, strategy, optim_cfg, techniques,
                            precision=precision_options(run_cfg.get("precision")))
     model.train()
-    batch = batch if batch is not None else first_batch(run_cfg["train_dataloader"])
+    batch = batch if batch is not None else Inputs(run_cfg).batch()
     k = plan.accumulative_counts
     device = strategy.device
     wrapper.initialize_count_status(model, 0, (steps + WARMUP_STEPS + 1) * k)
@@ -89,8 +90,10 @@ def measure_plan(cfg: dict, plan: Plan, facts: ModelFacts, steps: int = 3, batch
     return Measured(plan, tracker.peak_bytes, dict(tracker.breakdown), reserved, statistics.median(times))
 
 
-def bench(cfg: dict, plans: list[Plan], facts: ModelFacts, steps: int = 3, progress: bool = False) -> list[Measured]:
-    """Measure ``plans`` in order; times relative to the first."""
+def bench(cfg: dict, plans: list[Plan], facts: ModelFacts, steps: int = 3, progress: bool = False,
+          inputs: Inputs | None = None) -> list[Measured]:
+    """Measure ``plans`` in order, on the batch the planner plans for (``inputs``); times relative to the first."""
+    inputs = inputs or Inputs(cfg)
     bar = None
     if progress:
         import sys
@@ -100,11 +103,12 @@ def bench(cfg: dict, plans: list[Plan], facts: ModelFacts, steps: int = 3, progr
         bar = tqdm(total=len(plans), desc="memfit bench", unit="plan", leave=False, file=sys.stderr)
     out = []
     try:
-        measure_plan(cfg, plans[0], facts, steps=1)  # the process's first steps pay one-off start-up costs
+        # the process's first steps pay one-off start-up costs
+        measure_plan(cfg, plans[0], facts, steps=1, batch=inputs.batch(plans[0].micro_batch))
         for plan in plans:
             if bar is not None:
                 bar.set_postfix_str(plan.name)
-            out.append(measure_plan(cfg, plan, facts, steps))
+            out.append(measure_plan(cfg, plan, facts, steps, batch=inputs.batch(plan.micro_batch)))
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             if bar is not None:

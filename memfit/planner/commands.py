@@ -46,6 +46,7 @@ def plan_command(args: Any, cfg: dict) -> int:
     if shown < len(pred.results):
         print(f"({shown} fastest of {len(pred.results)} plans; --all shows every one)")
     print(summary(pred))
+    print(f"planned for {pred.input.describe()}")
     print(f"planned in {pred.seconds:.1f} s ({pred.fake_steps} fake steps); peak = "
           + ("reserved + CUDA context + NCCL buffers (see docs/planner.md)" if device.cuda else "live tensor bytes"))
     work = Path(cfg["work_dir"])
@@ -109,6 +110,7 @@ def bench_command(args: Any, cfg: dict) -> int:
 
     from memfit.planner.bench import bench
     from memfit.planner.fake import build_meta_model
+    from memfit.planner.inputs import Inputs
     from memfit.planner.predict import predict
     from memfit.planner.report import GB, write_csv
     from memfit.planner.space import ModelFacts, configured_plan
@@ -118,9 +120,12 @@ def bench_command(args: Any, cfg: dict) -> int:
     configured = configured_plan(cfg, facts, device.cuda)
     plans = [parse_plan(n.strip(), configured) for n in args.plans.split(",")] if args.plans else \
         default_bench_plans(configured, facts, device)
-    pred = predict(cfg, device=device, world_size=1, budget=None, progress=sys.stderr.isatty(), verify=False)
+    inputs = Inputs(cfg)
+    print(f"measured on {inputs.planned().describe()}")
+    pred = predict(cfg, device=device, world_size=1, budget=None, progress=sys.stderr.isatty(), verify=False,
+                   inputs=inputs)
     predicted = {r.plan: r for r in pred.results}
-    measured = bench(cfg, plans, facts, steps=args.steps, progress=sys.stderr.isatty())
+    measured = bench(cfg, plans, facts, steps=args.steps, progress=sys.stderr.isatty(), inputs=inputs)
     base_pred = predicted.get(measured[0].plan)
     cuda = torch.cuda.is_available()
     rows = []
@@ -146,7 +151,8 @@ def bench_command(args: Any, cfg: dict) -> int:
     if args.json:
         import json
 
-        Path(args.json).write_text(json.dumps({"device": device.name, "plans": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"device": device.name, "input": inputs.planned().as_dict(),
+                                               "plans": rows}, indent=1))
         print(f"wrote {args.json}")
     return 0
 

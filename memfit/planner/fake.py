@@ -263,7 +263,8 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
     """Run the config's training step on fake tensors inside the current (fake) process group.
 
     ``full``: two optimizer steps (see the module docstring); otherwise one micro-step's forward and
-    backward. ``batch`` defaults to the first batch of ``cfg['train_dataloader']``; ``meta_model``
+    backward. ``batch`` defaults to the largest batch ``cfg['train_dataloader']`` can make
+    (:mod:`memfit.planner.inputs`); ``meta_model``
     (a model already built on meta) is copied instead of building the config's model again. ``cuda``:
     the target is a CUDA device, so autocast casts as CUDA's does (:mod:`memfit.planner.cuda_autocast`).
     ``record``: a forward/backward run records its timeline (:mod:`memfit.planner.timeline`), with the calls
@@ -298,7 +299,9 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
     strategy.device = torch.device("cpu")  # fake CPU tensors: fake CUDA cannot run backward without a GPU
     strategy.precision.to_device(strategy.device)
     if batch is None:
-        batch = first_batch(cfg["train_dataloader"])
+        from memfit.planner.inputs import Inputs
+
+        batch = Inputs(cfg).batch()
     model = copy.deepcopy(meta_model) if meta_model is not None else build_meta_model(cfg["model"])
     techniques = technique_cfg(cfg)
     optim_cfg = measured_optim_wrapper(copy.deepcopy(cfg["optim_wrapper"]), full)

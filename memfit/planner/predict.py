@@ -34,6 +34,7 @@ from memfit.planner import devices
 from memfit.planner.cost import ModelState, step_seconds
 from memfit.planner.devices import Device
 from memfit.planner.fake import Phase, StepMeasurement, build_meta_model
+from memfit.planner.inputs import Inputs, PlannedInput
 from memfit.planner.recompute import CachedTensorMutated, compose
 from memfit.planner.runs import Runs, StepFailed
 from memfit.planner.space import PRECISIONS, ModelFacts, Plan, checkpointed_modules, configured_plan, enumerate_plans
@@ -70,6 +71,7 @@ class Prediction:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     fake_steps: int = 0  # distinct fake steps run
+    input: PlannedInput | None = None  # the configured micro-batch's input, as planned
 
     def to_json(self) -> dict[str, Any]:
         """The ``--json`` document (exactly these keys; ``recommended`` indexes ``plans``)."""
@@ -77,6 +79,7 @@ class Prediction:
             "device": self.device.name,
             "world_size": self.world_size,
             "budget_bytes": self.budget,
+            "input": self.input.as_dict() if self.input else None,
             "plans": [{"name": r.plan.name, **r.plan.as_dict(), "peak_bytes": r.peak_bytes,
                        "breakdown": r.breakdown, "rel_step_time": round(r.rel_step_time, 4), "fits": r.fits}
                       for r in self.results],
@@ -108,12 +111,13 @@ def _offloaded(breakdown: dict[str, int]) -> dict[str, int]:
 
 
 def predict(cfg: dict, *, device: Device, world_size: int = 1, budget: int | None = None, as_is: bool = False,
-            progress: bool = False, verify: bool = True) -> Prediction:
+            progress: bool = False, verify: bool = True, inputs: Inputs | None = None) -> Prediction:
     """Predict the plans of ``cfg`` at ``world_size`` ranks on ``device`` (see the module docstring).
 
     ``as_is``: only the configured plan. ``budget`` (bytes per rank, default the device's memory)
     decides ``fits`` and the recommendation: the fastest plan within ``budget`` less 5%, verified by a
-    whole fake step when ``verify``.
+    whole fake step when ``verify``. Every step runs on the largest batch the train pipeline can make
+    (``inputs``, default :class:`~memfit.planner.inputs.Inputs` of ``cfg``).
     """
     start = time.perf_counter()
     budget = budget or device.memory
@@ -125,7 +129,7 @@ def predict(cfg: dict, *, device: Device, world_size: int = 1, budget: int | Non
     try:
         with warnings.catch_warnings():  # FSDP's view-output and autocast notes, once per fake step
             warnings.simplefilter("ignore", UserWarning)
-            return _predict(cfg, device, world_size, budget, as_is, progress, verify, start)
+            return _predict(cfg, device, world_size, budget, as_is, progress, verify, start, inputs)
     finally:
         log.setLevel(level)
 
@@ -154,7 +158,7 @@ def on_target(cfg: dict, device: Device) -> dict:
 
 
 def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: bool, progress: bool, verify: bool,
-             start: float) -> Prediction:
+             start: float, inputs: Inputs | None) -> Prediction:
     cfg = on_target(cfg, device)
     meta = build_meta_model(cfg["model"])
     facts = ModelFacts.of(meta)
@@ -164,7 +168,8 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
                               if p != configured]
     ref = Plan("fp32", "none", "none", "none", False, configured.micro_batch, configured.accumulative_counts)
     micro = sorted({p.micro_batch for p in plans} - {configured.micro_batch})
-    with Runs(cfg, facts, meta, world_size, progress, device.cuda) as runs:
+    inputs = inputs or Inputs(cfg)
+    with Runs(cfg, facts, meta, world_size, progress, device.cuda, inputs) as runs:
         compose = _Composer(runs, ref, device, world_size, micro)
         runs.collecting = True  # first pass: which fake steps the composition needs; then run them all at once
         runs.run("configured", configured, full=True, steps=1)
@@ -206,7 +211,7 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
                  f"{', ...' if len(ps) > 3 else ''}): {why}" for why, ps in failed.items()]
         return Prediction(device, world_size, budget, [results[i] for i in order],
                           index.get(recommended) if recommended is not None else None, time.perf_counter() - start,
-                          notes=notes, fake_steps=len(runs.cache))
+                          notes=notes, fake_steps=len(runs.cache), input=inputs.planned(configured.micro_batch))
 
 
 def _half(plan: Plan) -> str:

@@ -20,18 +20,12 @@ from typing import Any
 import torch
 
 from memfit.errors import ConfigError, first_line
-from memfit.planner.fake import (
-    Phase,
-    StepMeasurement,
-    fake_process_group,
-    first_batch,
-    measure_step,
-    measured_optim_wrapper,
-)
+from memfit.planner.fake import Phase, StepMeasurement, fake_process_group, measure_step, measured_optim_wrapper
+from memfit.planner.inputs import Inputs
 from memfit.planner.pool import Job, Pool
 from memfit.planner.space import ModelFacts, Plan, technique_cfg
 
-_WORKER: dict[str, Any] = {}  # the forked worker's meta model, world size and batches
+_WORKER: dict[str, Any] = {}  # the forked worker's meta model and batches (memfit.planner.inputs.Inputs)
 
 
 def _init_worker(world_size: int) -> None:
@@ -64,12 +58,9 @@ def _forked_autograd(exc: BaseException) -> bool:
 def _run_one(cfg: dict, full: bool, steps: int, cuda: bool, record: tuple[str, ...] | None = None,
              ) -> StepMeasurement | StepFailed:
     """The fake step, or why it failed (returned, so that the cache keeps it beside the measurements)."""
-    batches = _WORKER.setdefault("batches", {})
-    mb = cfg["train_dataloader"]["batch_size"]
-    if mb not in batches:
-        batches[mb] = first_batch(cfg["train_dataloader"])
+    batch = _WORKER["inputs"].batch(cfg["train_dataloader"]["batch_size"])
     try:
-        return measure_step(cfg, full=full, batch=batches[mb], meta_model=_WORKER["meta"], steps=steps, cuda=cuda,
+        return measure_step(cfg, full=full, batch=batch, meta_model=_WORKER["meta"], steps=steps, cuda=cuda,
                             record=record)
     except ConfigError:
         raise
@@ -142,8 +133,9 @@ class Runs:
     :meth:`run` records the step and returns a placeholder."""
 
     def __init__(self, cfg: dict, facts: ModelFacts, meta: Any, world_size: int, progress: bool,
-                 cuda: bool = False) -> None:
+                 cuda: bool = False, inputs: Inputs | None = None) -> None:
         self.cfg, self.facts, self.meta, self.world, self.cuda = cfg, facts, meta, world_size, cuda
+        self.inputs = inputs or Inputs(cfg)  # the batch each step runs on, at each micro-batch
         self.canon: dict[Any, str] = {}  # a caller's key -> the step it names
         self.cache: dict[str, StepMeasurement | StepFailed] = {}
         self.pending: dict[str, tuple[dict, bool, int, str, tuple[str, ...] | None]] = {}
@@ -221,7 +213,9 @@ class Runs:
             from tqdm import tqdm
 
             bar = tqdm(total=len(pending), desc="memfit plan", unit="step", leave=False, file=sys.stderr)
-        _WORKER["meta"] = self.meta  # inherited by forked workers
+        _WORKER["meta"], _WORKER["inputs"] = self.meta, self.inputs  # inherited by forked workers
+        for cfg, *_ in pending.values():  # built here once, not in each worker
+            self.inputs.batch(cfg["train_dataloader"]["batch_size"])
         try:
             if self.forked and (self.pool is not None or min(workers(), len(pending)) > 1):
                 try:
@@ -244,6 +238,6 @@ class Runs:
                         bar.update(1)
         finally:
             _WORKER.pop("meta", None)
-            _WORKER.pop("batches", None)
+            _WORKER.pop("inputs", None)
             if bar is not None:
                 bar.close()

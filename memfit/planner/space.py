@@ -211,7 +211,8 @@ def technique_cfg(cfg: dict) -> dict:
     (``cfg=dict(...)`` and the top-level keys)."""
     from memfit.config.schema import TECHNIQUE_KEYS
 
-    return {**(cfg.get("cfg") or {}), **{k: cfg[k] for k in TECHNIQUE_KEYS if k in cfg and k != "auto_fit"}}
+    return {**(cfg.get("cfg") or {}),
+            **{k: cfg[k] for k in TECHNIQUE_KEYS if k in cfg and k not in ("auto_fit", "planner")}}
 
 
 def configured_plan(cfg: dict, facts: ModelFacts, cuda: bool = True) -> Plan:

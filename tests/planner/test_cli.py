@@ -14,7 +14,7 @@ import pytest
 
 from memfit.cli import main
 
-TOP_KEYS = {"device", "world_size", "budget_bytes", "plans", "recommended"}
+TOP_KEYS = {"device", "world_size", "budget_bytes", "input", "plans", "recommended"}
 PLAN_KEYS = {"name", "precision", "activation_checkpointing", "sharding", "offload", "efficient_conv_bn_eval",
              "micro_batch", "accumulative_counts", "peak_bytes", "breakdown", "rel_step_time", "fits"}
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -53,12 +53,14 @@ def test_plan_prints_the_table_and_the_recommendation(planned):
     assert re.fullmatch(rf"recommended \(1 x cpu \(\w+\), budget [0-9.]+ GB per rank\): {re.escape(best['name'])}, "
                         r"peak [0-9.]+ MB, [0-9.]+x the configured step time", summary), summary
     assert f"wrote {d / 'chart.png'}" in out and f"wrote {d / 'plan.json'}" in out
+    assert "planned for input 1x3x32x32 (derived)" in lines  # what every row was planned for
 
 
 def test_plan_json_has_exactly_the_documented_keys(planned):
     _, doc, _ = planned
     assert set(doc) == TOP_KEYS
     assert doc["world_size"] == 1 and doc["device"].startswith("cpu") and doc["budget_bytes"] > 0
+    assert doc["input"] == {"shape": [1, 3, 32, 32], "boxes_per_image": None, "how": "derived"}
     assert len(doc["plans"]) > 10  # precisions x checkpointing x offload
     for plan in doc["plans"]:
         assert set(plan) == PLAN_KEYS, plan["name"]
@@ -73,11 +75,15 @@ def test_plan_writes_the_chart(planned):
     assert (d / "chart.png").read_bytes()[:8] == PNG
 
 
-def test_plan_as_is_predicts_the_configured_plan_only(tiny_config, tmp_path):
+def test_plan_as_is_predicts_the_configured_plan_only(tiny_config, tmp_path, planned):
     code, out, err = run("plan", str(tiny_config(tmp_path)), "--device", "cpu", "--as-is", "--json",
-                         str(tmp_path / "p.json"))
+                         str(tmp_path / "p.json"), "--input-shape", "1x3x32x32")
     assert code == 0, err
     doc = json.loads((tmp_path / "p.json").read_text())
+    # The size the pipeline makes, given: planned for as given, and the same peak as derived.
+    assert doc["input"] == {"shape": [1, 3, 32, 32], "boxes_per_image": None, "how": "given"}
+    configured = next(p for p in planned[1]["plans"] if p["name"] == doc["plans"][0]["name"])
+    assert doc["plans"][0]["peak_bytes"] == configured["peak_bytes"]
     assert [p["name"] for p in doc["plans"]] == ["fp32 mb1x1"] and doc["recommended"] == 0
     assert "| fp32 mb1x1 (configured) * |" in out
     assert (tmp_path / "work" / "plan.png").read_bytes()[:8] == PNG  # the chart's default place: WORK_DIR
@@ -101,6 +107,7 @@ def test_plan_for_8_h100s_adds_the_cuda_figures(tiny_config, tmp_path):
 @pytest.mark.parametrize("flag,value,message", [
     ("--gpu", "h900", "--gpu 'h900': not in the planner's table"),
     ("--budget", "lots", "--budget='lots': not a size"),
+    ("--input-shape", "1x3x32", "--input-shape='1x3x32': give the image batch as BxCxHxW (e.g. 2x3x800x1344) or HxW"),
 ])
 def test_bad_target_or_budget_is_one_line_exit_2(tiny_config, tmp_path, flag, value, message):
     code, out, err = run("plan", str(tiny_config(tmp_path)), "--device", "cpu", flag, value)
@@ -115,6 +122,7 @@ def test_bench_prints_measured_beside_predicted_and_writes_csv_png(tiny_config, 
     code, out, err = run("bench", str(cfg), "--device", "cpu", "--plans", "fp32,fp32 ac:blocks", "--steps", "1",
                          "--out", str(tmp_path / "bench"))
     assert code == 0, err
+    assert "measured on input 1x3x32x32 (derived)" in out.splitlines()
     lines = [line for line in out.splitlines() if line.startswith("|")]  # a runner's logger may print too
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     assert head[:6] == ["plan", "measured_peak_gb", "predicted_peak_gb", "peak_error_pct", "measured_rel_time",
