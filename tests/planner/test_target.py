@@ -132,9 +132,19 @@ def test_cuda_targets_replay_the_caching_allocator():
 
 
 def test_a_step_that_reads_tensor_values_is_one_clear_error():
+    from torch.optim import optimizer as optim_module
+
+    def global_hooks() -> tuple[int, int]:
+        return len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks)
+
+    before = global_hooks()
     with fake_process_group(1), pytest.raises(ConfigError, match=r"reads tensor values on the host .*at "
                                               r"test_target\.py:\d+.*memfit bench"):
         measure_step(_chain(item=True), full=True, batch=(torch.randn(4, 768),))
-    # The failed step left no global optimizer hook behind: a later real optimizer step runs as usual.
+    # The failed step left no global optimizer hook behind (the fake step registers its phase and op-count
+    # hooks for every optimizer in the process), and a later real optimizer step runs as usual.
+    assert global_hooks() == before
     w = nn.Parameter(torch.ones(2))
+    w.grad = torch.full((2,), 0.25)
     torch.optim.SGD([w], lr=1.0).step()
+    assert w.tolist() == [0.75, 0.75]
