@@ -395,14 +395,30 @@ def test_non_finite_loss_checked_every_few_iterations_still_names_it_and_saves_n
     assert not (tmp_path / "w" / "iter_3.pth").exists()
 
 
+class Snapshots(Hook):
+    """The model's weights after every training iteration."""
+
+    def __init__(self) -> None:
+        self.weights: list[list[torch.Tensor]] = []
+
+    def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None) -> None:
+        self.weights.append([p.detach().clone() for p in runner.model.parameters()])
+
+
 def test_non_finite_loss_skip_counts_and_trains_on(caplog):
+    snapshots = Snapshots()
     cfg = config(model=dict(type=Tiny, bad_at=3), train_cfg=dict(by_epoch=True, max_epochs=2),
-                 default_hooks=hooks(check_invalid_loss=dict(action="skip", interval=1)))
+                 default_hooks=hooks(check_invalid_loss=dict(action="skip", interval=1)), custom_hooks=[snapshots])
     runner = Runner.from_cfg(cfg)
     runner.train()
     assert runner.optim_wrapper.nonfinite_losses == 1
     assert all(torch.isfinite(p).all() for p in runner.model.parameters())
     assert "non-finite loss by iteration 3" in caplog.text and "1 non-finite losses so far" in caplog.text
+    # Iteration 3 (the NaN loss) left the weights as they were; iteration 4, after it, stepped them again.
+    w = snapshots.weights
+    assert runner.iter == len(w) == 4 and runner.model.calls == 4
+    assert all(torch.equal(a, b) for a, b in zip(w[2], w[1]))
+    assert all(not torch.equal(a, b) for a, b in zip(w[3], w[2]))
 
 
 class FailAt(Hook):

@@ -17,7 +17,7 @@ from memfit.hooks.logger import LoggerHook
 from memfit.model import BaseModel
 from memfit.optim import AmpOptimWrapper
 from memfit.runner import Runner
-from memfit.strategies import DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
+from memfit.strategies import DeepSpeedStrategy, FSDPStrategy
 
 
 @pytest.fixture(autouse=True)
@@ -96,17 +96,20 @@ def test_deepspeed_activation_checkpointing_warns_naming_memfits_switch(caplog):
 
 
 def test_fsdp_skip_init_weights_skips_init_cfg():
-    assert FSDPStrategy(skip_init_weights=True).skip_init_weights and not FSDPStrategy().skip_init_weights
+    """FSDP2 in one process (a one-rank gloo group): init_cfg zeroes the Linear unless skip_init_weights=True,
+    which keeps the weights the model was built with (lr=0: training moves nothing)."""
     zero = dict(type="Constant", val=0.0, layer="Linear")
     opt = dict(optimizer=dict(type="SGD", lr=0.0))
-    initialised = _runner("a", model=Regression(init_cfg=zero), optim_wrapper=opt)
-    initialised.train()
-    assert initialised.model.fc.weight.abs().sum() == 0
-    strategy = SingleDeviceStrategy()
-    strategy.skip_init_weights = True  # what FSDPStrategy(skip_init_weights=True) sets
-    skipped = _runner("b", model=Regression(init_cfg=zero), optim_wrapper=opt, strategy=strategy)
-    skipped.train()
-    torch.testing.assert_close(skipped.model.fc.weight, Regression().fc.weight)
+    weights = {}
+    for skip in (False, True):
+        runner = _runner(f"skip_{skip}", model=Regression(init_cfg=zero), optim_wrapper=opt,
+                         strategy=FSDPStrategy(skip_init_weights=skip))
+        runner.train()
+        weight = runner.model.fc.weight
+        assert type(weight).__name__ == "DTensor"  # sharded by FSDP2 in this process
+        weights[skip] = weight.full_tensor()
+    assert weights[False].abs().sum() == 0
+    torch.testing.assert_close(weights[True], Regression().fc.weight, rtol=0, atol=0)
 
 
 def test_log_processor_window_size_maps_and_the_rest_warns(caplog):

@@ -2,7 +2,7 @@
 
 * LARC (VISSL's larc_config, clip=False) under DDP and under DDP + ZeRO-1 (``OPTIMIZER.name: zero``);
 * activation checkpointing by splits (``NUM_ACTIVATION_CHECKPOINTING_SPLITS``) under FSDP, against FSDP
-  without checkpointing, with the recomputations counted;
+  without checkpointing, with the recomputations counted and one step's peak memory measured;
 * Apex O2 (bf16 model, fp32 master weights) under DDP and DDP + ZeRO-1 (which shards the masters).
 
 Reuses the model and data of ``equivalence.py``; rank 0 also runs the one-process references.
@@ -11,10 +11,11 @@ Reuses the model and data of ``equivalence.py``; rank 0 also runs the one-proces
 from __future__ import annotations
 
 import torch
-from equivalence import GLOBAL_BATCH, STEPS, Net, data, full_params
+from equivalence import DIM, GLOBAL_BATCH, STEPS, Net, data, full_params
 
 from memfit import dist
 from memfit.connector import setup
+from memfit.memory.measure import MemoryTracker
 from memfit.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
 from memfit.testing import write_result
 
@@ -23,6 +24,7 @@ LARC = dict(optimizer=dict(type="Larc", lr=0.1, momentum=0.9, weight_decay=1e-6,
 SGD = dict(optimizer=dict(type="SGD", lr=0.1, momentum=0.9))
 SPLITS = dict(activation_checkpointing=dict(splits=3, module="blocks"))
 O2 = dict(opt_level="O2", dtype="bfloat16")
+MEMORY_ROWS = 512  # per rank, for peak_memory
 
 
 def run(strategy, optim, *, techniques=None, precision=None, local: bool = True) -> dict:
@@ -51,12 +53,27 @@ def run(strategy, optim, *, techniques=None, precision=None, local: bool = True)
             "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
 
 
+def peak_memory(strategy, techniques=None, rows: int = MEMORY_ROWS) -> dict:
+    """One SGD step's peak on this rank (memfit's live-storage tracker) on ``rows`` samples, enough that the
+    activations outweigh the parameters; a fresh model, so the runs above are not touched."""
+    torch.manual_seed(0)
+    model, wrapper = setup(Net(), strategy, dict(SGD), techniques)
+    wrapper.initialize_count_status(model, 0, -1)
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(rows, DIM, generator=g), torch.randint(0, 4, (rows,), generator=g)
+    with MemoryTracker(model, wrapper.optimizer) as t:
+        model.train_step((x, y), optim_wrapper=wrapper)
+    return {"peak": t.peak_bytes, "activations": t.breakdown["activations"], "rows": rows, "hidden": 2 * DIM}
+
+
 def main() -> None:
     results = {
         "larc_ddp": run(DDPStrategy(), LARC),
         "larc_zero": run(DDPStrategy(zero=True), LARC),
         "fsdp": run(FSDPStrategy(), SGD),
         "fsdp_splits": run(FSDPStrategy(), SGD, techniques=SPLITS),
+        "fsdp_memory": peak_memory(FSDPStrategy()),
+        "fsdp_splits_memory": peak_memory(FSDPStrategy(), SPLITS),
         "ddp_o2": run(DDPStrategy(), SGD, precision=O2),
         "ddp_zero_o2": run(DDPStrategy(zero=True), SGD, precision=O2),
     }
