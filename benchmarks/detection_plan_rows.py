@@ -6,8 +6,8 @@ combination of AMP, checkpointing of the backbone and of the encoder, and FSDP. 
 configs/detection/dino-5scale_swin-l_8xb2-12e_coco.py with the row's switches, 8 fake ranks, a batch of two
 1333x800 images (the size MMDetection's table was measured at; its multi-scale pipeline can make larger
 batches, which `memfit plan` on the config itself plans for: docs/planner.md), for an A100-80 (rows 1-4,
-where the seed ran out of 24 GB) and a 3090 (rows 5-8). It prints the predicted allocated/reserved peak per rank beside the
-seed's "Peak Mem" (MMEngine logs torch.cuda.max_memory_allocated in MiB, so GB here are GiB) and the
+where the seed ran out of 24 GB) and a 3090 (rows 5-8). It prints the predicted allocated/reserved peak per
+rank beside the seed's "Peak Mem" (MMEngine logs torch.cuda.max_memory_allocated in MiB, so GB here are GiB) and the
 predicted step time relative to row 1 beside the seed's iteration times.
 
     python benchmarks/detection_plan_rows.py [--rows 1,2,...] [--out benchmarks/results/detection_plan_rows]
