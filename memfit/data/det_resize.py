@@ -122,8 +122,6 @@ class RandomChoiceResize:
         return f"RandomChoiceResize(scales={self.scales})"
 
 
-
-
 @DET_TRANSFORMS.register()
 class RandomResize:
     """MMCV's RandomResize: Resize to a scale drawn per image. ``scale=(w, h)`` with ``ratio_range=(lo, hi)``:

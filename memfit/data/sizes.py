@@ -88,7 +88,7 @@ def output_sizes(transform: Any, sizes: np.ndarray) -> np.ndarray:
         if name == "RandomChoice":
             return unique(np.concatenate([output_sizes(t, sizes) for t in transform.transforms]))
         if name in ("RandomResizedCrop", "CenterCrop", "RandomCrop"):  # the crop is this size, padded if need be
-            return _fixed(transform.size, sizes)
+            return _fixed(transform.size)
         if name == "Resize":
             return unique(_tv_resize(transform, sizes))
     raise CannotDerive(f"{getattr(transform, '__name__', name)} does not say which image sizes it outputs")
@@ -101,7 +101,7 @@ def chain(transforms: Iterable[Callable], sizes: np.ndarray) -> np.ndarray:
     return sizes
 
 
-def _fixed(size: Any, sizes: np.ndarray) -> np.ndarray:
+def _fixed(size: Any) -> np.ndarray:
     h, w = (size, size) if isinstance(size, int) else (tuple(size) * 2)[:2]
     return np.asarray([[h, w]], dtype=np.int64)
 

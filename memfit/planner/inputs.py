@@ -88,6 +88,7 @@ class Inputs:
         self.dataset = ds.dataset if isinstance(ds, SeededDataset) else ds
         # The loader's first key: a seeded sample that leaves the caller's random streams as they were.
         self.item = ds[next(iter(self.loader.sampler), 0)]
+        self.channels = _image(self.item).shape[0]
         self.divisor = _pad_divisor(cfg.get("model"))
         self.max_boxes = _max_boxes(self.dataset, self.item)
         self.why = ""
@@ -103,15 +104,14 @@ class Inputs:
             self.sizes, self.how = self._sample(), f"sampled {SAMPLED_BATCHES} batches"
 
     def _given(self, shape: tuple[int, ...]) -> np.ndarray:
-        channels = _image(self.item).shape[0]
         if len(shape) == 4:
             b, c, h, w = shape
             if b != self.batch_size:
                 raise ConfigError(f"input shape {'x'.join(map(str, shape))}: its batch {b} is not "
                                   f"train_dataloader.batch_size={self.batch_size}: give HxW or the same batch size")
-            if c != channels:
-                raise ConfigError(f"input shape {'x'.join(map(str, shape))}: the dataset's images have {channels} "
-                                  f"channels, not {c}")
+            if c != self.channels:
+                raise ConfigError(f"input shape {'x'.join(map(str, shape))}: the dataset's images have "
+                                  f"{self.channels} channels, not {c}")
         return np.asarray([shape[-2:]], dtype=np.int64)
 
     def _sample(self) -> np.ndarray:
@@ -121,8 +121,7 @@ class Inputs:
         for _, batch in zip(range(SAMPLED_BATCHES), self.loader):
             seen += [img.shape[-2:] for img in _batch_images(batch)]
             samples = batch.get("data_samples") if isinstance(batch, dict) else None
-            boxes += [len(_targets({"data_samples": s})["bboxes"]) for s in samples or []
-                      if _targets({"data_samples": s}) is not None]
+            boxes += [len(gt["bboxes"]) for gt in map(_gt, samples or []) if gt is not None]
         if self.max_boxes is not None and not callable(getattr(self.dataset, "max_boxes_per_image", None)):
             self.max_boxes = max([self.max_boxes, *boxes])
         return np.asarray([tuple(s) for s in seen], dtype=np.int64).reshape(-1, 2)
@@ -139,9 +138,8 @@ class Inputs:
         """What a batch of ``batch_size`` (default: the configured one) is planned as."""
         b = batch_size or self.batch_size
         h, w = self.image_size(b)
-        channels = _image(self.item).shape[0]
-        return PlannedInput((b, channels, int(_ceil(h, self.divisor)), int(_ceil(w, self.divisor))), self.max_boxes,
-                            self.how, self.why)
+        shape = (b, self.channels, int(_ceil(h, self.divisor)), int(_ceil(w, self.divisor)))
+        return PlannedInput(shape, self.max_boxes, self.how, self.why)
 
     def batch(self, batch_size: int | None = None) -> Any:
         """The worst-case batch of ``batch_size`` images (default: the configured one), collated."""
@@ -199,18 +197,23 @@ def _image(item: Any) -> torch.Tensor:
     return item if key is None else item[key]
 
 
-def _targets(item: Any) -> dict | None:
-    """A detection item's ``gt_instances`` (PackDetInputs' layout), else None."""
-    sample = item.get("data_samples") if isinstance(item, dict) else None
+def _gt(sample: Any) -> dict | None:
+    """A detection data sample's ``gt_instances`` (PackDetInputs' layout), else None."""
     gt = sample.get("gt_instances") if isinstance(sample, dict) else None
     return gt if isinstance(gt, dict) and "bboxes" in gt else None
 
 
+def _targets(item: Any) -> dict | None:
+    """A detection item's ``gt_instances``, else None."""
+    return _gt(item.get("data_samples")) if isinstance(item, dict) else None
+
+
 def _max_boxes(dataset: Any, item: Any) -> int | None:
-    if _targets(item) is None:
+    gt = _targets(item)
+    if gt is None:
         return None
     known = getattr(dataset, "max_boxes_per_image", None)
-    return int(known()) if callable(known) else len(_targets(item)["bboxes"])
+    return int(known()) if callable(known) else len(gt["bboxes"])
 
 
 def _batch_images(batch: Any) -> list[torch.Tensor]:
@@ -221,7 +224,8 @@ def _batch_images(batch: Any) -> list[torch.Tensor]:
         return list(images) if images.dim() == 4 else [images]
     if isinstance(images, (list, tuple)) and all(isinstance(i, torch.Tensor) for i in images):
         return list(images)
-    raise S.CannotDerive(f"the planner cannot find the images in a train_dataloader batch ({type(batch).__name__})")
+    raise ConfigError(f"the planner cannot find the images in a train_dataloader batch ({type(batch).__name__}): "
+                      "give the image batch with --input-shape or planner.input_shape")
 
 
 def _worst_item(item: Any, size: tuple[int, int], boxes: int | None) -> Any:
