@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from memfit.errors import ConfigError
-from memfit.memory.checkpointing import WrappedForward, install, resolve_modules
+from memfit.memory.wrapping import WrappedForward, install, resolve_modules
 
 logger = logging.getLogger("memfit")
 

@@ -266,7 +266,7 @@ class _Composer:
     checkpointing switch is on runs every choice (its recording would miss what its checkpoints save)."""
 
     def __init__(self, runs: Runs, ref: Plan, device: Device, world_size: int, micro_batches: list[int]) -> None:
-        from memfit.memory.checkpointing import own_switch
+        from memfit.memory.wrapping import own_switch
 
         self.runs, self.ref, self.device, self.world = runs, ref, device, world_size
         self.grad_bytes = sum(p.numel() * p.element_size() for p in runs.meta.parameters() if p.requires_grad)

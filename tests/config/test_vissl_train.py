@@ -14,7 +14,7 @@ from memfit.config import Config
 from memfit.config.vissl import check_schedule, schedule_value
 from memfit.data import DefaultSampler
 from memfit.hooks import Hook
-from memfit.memory.checkpointing import wrapped_forward
+from memfit.memory.wrapping import wrapped_forward
 from memfit.optim.larc import Larc
 from memfit.runner import Runner
 

@@ -133,7 +133,8 @@ def test_resnet50_accuracy_snippet_with_activation_checkpointing():
         correct = sum(int((model(x.to(device), y.to(device), 'predict')[0].argmax(1) == y.to(device)).sum())
                       for x, y in DataLoader(valid_set, batch_size=4))
     assert seen[-1][1] == 100.0 * correct / len(valid_set)
-    from memfit.memory.checkpointing import CheckpointedForward, wrapped_forward
+    from memfit.memory.checkpointing import CheckpointedForward
+    from memfit.memory.wrapping import wrapped_forward
 
     for name in ("layer1", "layer2", "layer3"):
         assert isinstance(wrapped_forward(getattr(runner.model.resnet, name)), CheckpointedForward)

@@ -19,7 +19,8 @@ import memfit.model.detection.necks  # noqa: F401  (registers ChannelMapper)
 from memfit.config import Config
 from memfit.data import ShapesDataset
 from memfit.errors import ConfigError
-from memfit.memory.checkpointing import apply_activation_checkpointing, wrapped_forward
+from memfit.memory.checkpointing import apply_activation_checkpointing
+from memfit.memory.wrapping import wrapped_forward
 from memfit.model.detection.dino import DINO
 from memfit.optim import OptimWrapper
 from memfit.registry import MODELS

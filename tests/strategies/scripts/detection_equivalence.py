@@ -21,7 +21,7 @@ from memfit import dist
 from memfit.config import Config
 from memfit.connector import setup
 from memfit.data import ShapesDataset
-from memfit.memory.checkpointing import wrapped_forward
+from memfit.memory.wrapping import wrapped_forward
 from memfit.optim import OptimWrapper
 from memfit.registry import MODELS
 from memfit.strategies import FSDPStrategy
