@@ -26,88 +26,20 @@ import logging
 import os
 import time
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from memfit.errors import ConfigError
-from memfit.planner import devices
-from memfit.planner.cost import ModelState, step_seconds
 from memfit.planner.devices import Device
 from memfit.planner.fake import Phase, StepMeasurement, build_meta_model
-from memfit.planner.inputs import Inputs, PlannedInput
+from memfit.planner.inputs import Inputs
 from memfit.planner.recompute import CachedTensorMutated, compose
+from memfit.planner.results import PlanResult, Prediction, plan_result
 from memfit.planner.runs import Runs, StepFailed
 from memfit.planner.space import PRECISIONS, ModelFacts, Plan, checkpointed_modules, configured_plan, enumerate_plans
 
 AUTO_FIT_MARGIN = 0.05  # the recommended plan leaves 5% of the budget free
 _COMPOSED = ("none", "stages", "blocks", "every2", "selective")  # checkpointing choices composed (and firstN)
-
-
-@dataclass
-class PlanResult:
-    """A plan's prediction. ``peak_bytes``: what must fit on one rank's device (CUDA: reserved +
-    CUDA context + NCCL buffers; CPU: live tensor bytes); ``allocated``/``reserved``: the caching
-    allocator's figures (equal to the peak on CPU); ``source``: 'measured' (a whole fake step of this
-    plan) or 'composed' (see the module docstring)."""
-
-    plan: Plan
-    peak_bytes: int
-    breakdown: dict[str, int]
-    allocated: int
-    reserved: int
-    seconds: float
-    source: str = "composed"
-    rel_step_time: float = 1.0
-    fits: bool = True
-
-
-@dataclass
-class Prediction:
-    device: Device
-    world_size: int
-    budget: int
-    results: list[PlanResult]
-    recommended: int | None
-    seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
-    fake_steps: int = 0  # distinct fake steps run
-    input: PlannedInput | None = None  # the configured micro-batch's input, as planned
-
-    def to_json(self) -> dict[str, Any]:
-        """The ``--json`` document (exactly these keys; ``recommended`` indexes ``plans``)."""
-        return {
-            "device": self.device.name,
-            "world_size": self.world_size,
-            "budget_bytes": self.budget,
-            "input": self.input.as_dict() if self.input else None,
-            "plans": [{"name": r.plan.name, **r.plan.as_dict(), "peak_bytes": r.peak_bytes,
-                       "breakdown": r.breakdown, "rel_step_time": round(r.rel_step_time, 4), "fits": r.fits}
-                      for r in self.results],
-            "recommended": self.recommended,
-        }
-
-
-def device_figures(tracked: int, breakdown: dict[str, int], device: Device, world_size: int,
-                   run: StepMeasurement) -> tuple[int, dict[str, int], int, int]:
-    """(peak that must fit, breakdown, allocated, reserved) on ``device`` for a tracked CPU peak. On CUDA,
-    ``run``'s simulated caching allocator says what it held beyond ``run``'s own tracked peak: the cuBLAS
-    workspaces and the rounding of blocks ("allocated"), then the segments' free space ("reserved")."""
-    out = dict(breakdown)
-    if not device.cuda:
-        return tracked, out, tracked, tracked
-    out["workspace"] = devices.CUBLAS_WORKSPACE
-    out["allocator_rounding"] = max(0, run.cuda_allocated - run.peak - devices.CUBLAS_WORKSPACE)
-    out["allocator_slack"] = max(0, run.cuda_reserved - run.cuda_allocated)
-    allocated = tracked + out["workspace"] + out["allocator_rounding"]
-    reserved = allocated + out["allocator_slack"]
-    out["cuda_context"] = devices.CUDA_CONTEXT
-    out["nccl"] = devices.NCCL_BUFFERS if world_size > 1 else 0
-    return reserved + out["cuda_context"] + out["nccl"], out, allocated, reserved
-
-
-def _offloaded(breakdown: dict[str, int]) -> dict[str, int]:
-    """A phase's breakdown with the sharded parameters, gradients and optimizer state on the host."""
-    return {**breakdown, "parameters": 0, "gradients": 0, "optimizer_state": 0}
 
 
 def predict(cfg: dict, *, device: Device, world_size: int = 1, budget: int | None = None, as_is: bool = False,
@@ -185,7 +117,7 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
             own_fb = compose.configured_fb(configured)
         except StepFailed as exc:
             raise ConfigError(f"the configured plan ({configured.name}) fails in its fake step: {exc}") from None
-        results = [_result(configured, own, own_fb, device, world_size, configured.accumulative_counts, "measured")]
+        results = [plan_result(configured, own, own_fb, device, world_size, configured.accumulative_counts, "measured")]
         failed: dict[str, list[Plan]] = {}
         for p in plans:
             try:
@@ -199,8 +131,8 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
             r = results[recommended]
             try:
                 m = runs.run(("verify", r.plan), r.plan, full=True, steps=1)
-                results[recommended] = replace(_result(r.plan, m, m, device, world_size, r.plan.accumulative_counts,
-                                                       "measured"), seconds=r.seconds)
+                measured = plan_result(r.plan, m, m, device, world_size, r.plan.accumulative_counts, "measured")
+                results[recommended] = replace(measured, seconds=r.seconds)
             except StepFailed as exc:
                 failed.setdefault(str(exc), []).append(results.pop(recommended).plan)
             _rank(results, budget)
@@ -216,39 +148,6 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
 
 def _half(plan: Plan) -> str:
     return "fp32" if plan.precision == "fp32" else "half"
-
-
-def _state(m: StepMeasurement) -> ModelState:
-    b = m.optimizer.breakdown or m.breakdown
-    params = b.get("parameters", 0)
-    # An offloaded optimizer's state is on the host: its peak there less the parameters' host copy.
-    return ModelState(params, b.get("gradients", 0), b.get("optimizer_state", 0) or max(0, m.host_peak - params))
-
-
-def _result(plan: Plan, step: StepMeasurement, micro: StepMeasurement, device: Device, world_size: int,
-            shard_counts: int, source: str = "composed", fb_delta: int = 0, fb_grads: int = 0,
-            allocator_run: StepMeasurement | None = None) -> PlanResult:
-    """A plan's figures from its sharding's full step, with its own activations' difference (and
-    accumulated gradients) added to the forward/backward phase (0 when ``step`` is this plan's own).
-    ``allocator_run``: whose simulated caching allocator gives the CUDA rounding and slack (default: the
-    plan's own step when measured, else ``micro``)."""
-    fb = dict(step.forward_backward.breakdown)
-    fb["activations"] = fb.get("activations", 0) + fb_delta
-    fb["gradients"] = fb.get("gradients", 0) + fb_grads
-    phases = [(step.forward_backward.peak + fb_delta + fb_grads, fb),
-              (step.optimizer.peak, dict(step.optimizer.breakdown))]
-    if source == "measured":  # the plan's own step: the first step's peak counts too
-        phases.append((step.peak, dict(step.breakdown)))
-    if plan.offload == "params" and device.cuda:
-        phases = [(sum(_offloaded(b).values()), _offloaded(b)) for _, b in phases]
-    elif plan.offload == "optimizer":  # as the tracker counts it: the state and the step's temporaries on the host
-        phases = [(peak - b.get("optimizer_state", 0), {**b, "optimizer_state": 0}) for peak, b in phases]
-    tracked, breakdown = max(phases, key=lambda pb: pb[0])
-    # The allocator's rounding and slack: the plan's own step's, else its activations' forward/backward's.
-    run = allocator_run or (step if source == "measured" else micro)
-    peak, breakdown, allocated, reserved = device_figures(tracked, breakdown, device, world_size, run)
-    seconds = step_seconds(plan, micro, step, _state(step), device, world_size, shard_counts)
-    return PlanResult(plan, peak, breakdown, allocated, reserved, seconds, source)
 
 
 def compose_checkpointing() -> bool:
@@ -352,7 +251,7 @@ class _Composer:
         allocator_run = self._act(plan, self.half) if self.half and plan.micro_batch <= self.half else micro
         results = []
         for mb, k in anchors:
-            # Optimizer offload is its sharding's step with the optimizer's memory on the host (_result).
+            # Optimizer offload is its sharding's step with the optimizer's memory on the host (plan_result).
             offload = "none" if plan.offload == "optimizer" else plan.offload
             shard = self.runs.run(("shard", plan.sharding, offload, mb, k),
                                   replace(ref, sharding=plan.sharding, offload=offload, micro_batch=mb,
@@ -362,7 +261,7 @@ class _Composer:
                 # DDP and ZeRO-1 accumulate into whole gradients that stay through every later micro-step,
                 # where the reference step held only those produced so far at its peak.
                 fb_grads = self.grad_bytes - shard.forward_backward.breakdown.get("gradients", 0)
-            results.append(_result(plan, shard, micro, self.device, self.world, k,
+            results.append(plan_result(plan, shard, micro, self.device, self.world, k,
                                    fb_delta=peak - self._line(ref, mb)[0], fb_grads=fb_grads,
                                    allocator_run=allocator_run))
         return replace(max(results, key=lambda r: r.peak_bytes), seconds=results[0].seconds)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from memfit.planner.predict import Prediction
+from memfit.planner.results import Prediction
 
 GB = 2**30  # the seed's tables say "GB" for GiB, as nvidia-smi does
 

@@ -12,7 +12,8 @@ from memfit.config import Config
 from memfit.memory.live_storages import CATEGORIES
 from memfit.planner.devices import gpu, this_cpu
 from memfit.planner.fake import build_meta_model, fake_process_group, measure_step
-from memfit.planner.predict import _result, on_target, predict
+from memfit.planner.predict import on_target, predict
+from memfit.planner.results import plan_result
 from memfit.planner.space import ModelFacts, Plan, configured_plan
 
 
@@ -42,7 +43,7 @@ def test_offload_rows_equal_the_step_that_offloads(planned):
         composed = rows[plan]
         with fake_process_group(2):
             m = measure_step(plan.apply(on_target(cfg, device), facts), full=True, steps=1, cuda=True)
-        measured = _result(plan, m, m, device, 2, 1, "measured")
+        measured = plan_result(plan, m, m, device, 2, 1, "measured")
         assert _tracked(composed.breakdown) == _tracked(measured.breakdown), sharding
         assert measured.breakdown["optimizer_state"] == 0 and m.host_peak > 0  # the state lives on the host
         # And it saves the device the optimizer's memory, for modelled time over the host link.

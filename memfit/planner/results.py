@@ -1,0 +1,116 @@
+"""A plan's predicted figures (:class:`PlanResult`), a whole prediction (:class:`Prediction`, its ``--json``
+document), and how a step's tracked bytes become a plan's figures on its target device: the phases that
+count, offload taken out, the simulated CUDA allocator's rounding and slack, the CUDA context and NCCL."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from memfit.planner import devices
+from memfit.planner.cost import ModelState, step_seconds
+from memfit.planner.devices import Device
+from memfit.planner.fake import StepMeasurement
+from memfit.planner.inputs import PlannedInput
+from memfit.planner.space import Plan
+
+
+@dataclass
+class PlanResult:
+    """A plan's prediction. ``peak_bytes``: what must fit on one rank's device (CUDA: reserved +
+    CUDA context + NCCL buffers; CPU: live tensor bytes); ``allocated``/``reserved``: the caching
+    allocator's figures (equal to the peak on CPU); ``source``: 'measured' (a whole fake step of this
+    plan) or 'composed' (see :mod:`memfit.planner.predict`)."""
+
+    plan: Plan
+    peak_bytes: int
+    breakdown: dict[str, int]
+    allocated: int
+    reserved: int
+    seconds: float
+    source: str = "composed"
+    rel_step_time: float = 1.0
+    fits: bool = True
+
+
+@dataclass
+class Prediction:
+    device: Device
+    world_size: int
+    budget: int
+    results: list[PlanResult]
+    recommended: int | None
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    fake_steps: int = 0  # distinct fake steps run
+    input: PlannedInput | None = None  # the configured micro-batch's input, as planned
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``--json`` document (exactly these keys; ``recommended`` indexes ``plans``)."""
+        return {
+            "device": self.device.name,
+            "world_size": self.world_size,
+            "budget_bytes": self.budget,
+            "input": self.input.as_dict() if self.input else None,
+            "plans": [{"name": r.plan.name, **r.plan.as_dict(), "peak_bytes": r.peak_bytes,
+                       "breakdown": r.breakdown, "rel_step_time": round(r.rel_step_time, 4), "fits": r.fits}
+                      for r in self.results],
+            "recommended": self.recommended,
+        }
+
+
+def device_figures(tracked: int, breakdown: dict[str, int], device: Device, world_size: int,
+                   run: StepMeasurement) -> tuple[int, dict[str, int], int, int]:
+    """(peak that must fit, breakdown, allocated, reserved) on ``device`` for a tracked CPU peak. On CUDA,
+    ``run``'s simulated caching allocator says what it held beyond ``run``'s own tracked peak: the cuBLAS
+    workspaces and the rounding of blocks ("allocated"), then the segments' free space ("reserved")."""
+    out = dict(breakdown)
+    if not device.cuda:
+        return tracked, out, tracked, tracked
+    out["workspace"] = devices.CUBLAS_WORKSPACE
+    out["allocator_rounding"] = max(0, run.cuda_allocated - run.peak - devices.CUBLAS_WORKSPACE)
+    out["allocator_slack"] = max(0, run.cuda_reserved - run.cuda_allocated)
+    allocated = tracked + out["workspace"] + out["allocator_rounding"]
+    reserved = allocated + out["allocator_slack"]
+    out["cuda_context"] = devices.CUDA_CONTEXT
+    out["nccl"] = devices.NCCL_BUFFERS if world_size > 1 else 0
+    return reserved + out["cuda_context"] + out["nccl"], out, allocated, reserved
+
+
+def _offloaded(breakdown: dict[str, int]) -> dict[str, int]:
+    """A phase's breakdown with the sharded parameters, gradients and optimizer state on the host."""
+    return {**breakdown, "parameters": 0, "gradients": 0, "optimizer_state": 0}
+
+
+def model_state(m: StepMeasurement) -> ModelState:
+    """The parameters, gradients and optimizer state a step measured (the optimizer phase's breakdown)."""
+    b = m.optimizer.breakdown or m.breakdown
+    params = b.get("parameters", 0)
+    # An offloaded optimizer's state is on the host: its peak there less the parameters' host copy.
+    return ModelState(params, b.get("gradients", 0), b.get("optimizer_state", 0) or max(0, m.host_peak - params))
+
+
+def plan_result(plan: Plan, step: StepMeasurement, micro: StepMeasurement, device: Device, world_size: int,
+            shard_counts: int, source: str = "composed", fb_delta: int = 0, fb_grads: int = 0,
+            allocator_run: StepMeasurement | None = None) -> PlanResult:
+    """A plan's figures from its sharding's full step, with its own activations' difference (and
+    accumulated gradients) added to the forward/backward phase (0 when ``step`` is this plan's own).
+    ``allocator_run``: whose simulated caching allocator gives the CUDA rounding and slack (default: the
+    plan's own step when measured, else ``micro``)."""
+    fb = dict(step.forward_backward.breakdown)
+    fb["activations"] = fb.get("activations", 0) + fb_delta
+    fb["gradients"] = fb.get("gradients", 0) + fb_grads
+    phases = [(step.forward_backward.peak + fb_delta + fb_grads, fb),
+              (step.optimizer.peak, dict(step.optimizer.breakdown))]
+    if source == "measured":  # the plan's own step: the first step's peak counts too
+        phases.append((step.peak, dict(step.breakdown)))
+    if plan.offload == "params" and device.cuda:
+        phases = [(sum(_offloaded(b).values()), _offloaded(b)) for _, b in phases]
+    elif plan.offload == "optimizer":  # as the tracker counts it: the state and the step's temporaries on the host
+        phases = [(peak - b.get("optimizer_state", 0), {**b, "optimizer_state": 0}) for peak, b in phases]
+    tracked, breakdown = max(phases, key=lambda pb: pb[0])
+    # The allocator's rounding and slack: the plan's own step's, else its activations' forward/backward's.
+    run = allocator_run or (step if source == "measured" else micro)
+    peak, breakdown, allocated, reserved = device_figures(tracked, breakdown, device, world_size, run)
+    seconds = step_seconds(plan, micro, step, model_state(step), device, world_size, shard_counts)
+    return PlanResult(plan, peak, breakdown, allocated, reserved, seconds, source)
