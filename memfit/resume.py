@@ -3,6 +3,7 @@
 The state is plain data and tensors only (loaded with ``weights_only=True``): model and optimizer
 state dicts, scheduler states, the loop position, the sampler's consumed-sample count, RNG states of
 every rank, the message hub, gradients of an unfinished accumulation window, and meta.
+:class:`RunnerCheckpoints` gives the runner its ``save_checkpoint``, ``resume`` and ``load_weights``.
 """
 
 from __future__ import annotations
@@ -197,3 +198,46 @@ def _restore_optimization(runner: Any, model: torch.nn.Module, wrapper: Any, sta
             if name in own:
                 p.grad = own[name].to(p.device, p.dtype)
 
+
+class RunnerCheckpoints:
+    """The runner's checkpoint methods, by MMEngine's names: ``load_weights`` (``load_from``),
+    ``save_checkpoint`` and ``resume``, over :func:`collect_state` and :func:`restore_state` above."""
+
+    def _load_or_resume(self) -> None:
+        path = resume_path(self.resume_from, self.work_dir)
+        if path is not None:
+            self.resume(path)
+        elif self.load_from:
+            self.load_weights(self.load_from)
+
+    def load_weights(self, path: str | dict, strict: bool = True, **kwargs: Any) -> tuple[list[str], list[str]]:
+        """``load_from``: model weights only (memfit checkpoint, state dict or .safetensors).
+
+        ``path`` may be ``dict(path=..., strict=..., prefix=..., revise_keys=..., key_map=...)`` (the
+        config form); returns the (missing, unexpected) keys, which are also logged.
+        """
+        path, options = load_from_options(path, strict=strict, **kwargs)
+        missing, unexpected = self.strategy.load_weights(self.model, path, **options)
+        self.logger.info(f"Loaded weights from {path}")
+        return missing, unexpected
+
+    def save_checkpoint(self, filename: str, *, meta: dict | None = None, save_optimizer: bool = True,
+                        save_param_scheduler: bool = True) -> Path:
+        """Write the full training state to ``work_dir/filename`` (atomic) and point last_checkpoint at it."""
+        from memfit.checkpoint import write_latest
+
+        state = collect_state(self, meta or {}, save_optimizer=save_optimizer,
+                              save_param_scheduler=save_param_scheduler)
+        self.call_hook("before_save_checkpoint", checkpoint=state)
+        path = self.work_dir / filename
+        complete = self.strategy.save_checkpoint(path, state)
+        if complete is not False and dist.is_main_process():  # False: an async write, finalized later
+            write_latest(self.work_dir, filename)
+        return path
+
+    def resume(self, path: str | Path) -> None:
+        """Restore everything ``save_checkpoint`` wrote and continue at the next unseen batch."""
+        state = self.strategy.load_checkpoint(path)
+        restore_state(self, state, path)
+        self.call_hook("after_load_checkpoint", checkpoint=state)
+        self.logger.info(f"Resumed from {path} at epoch {self.epoch + 1}, iteration {self.iter}")

@@ -24,6 +24,7 @@ from memfit.hooks.log_options import log_options
 from memfit.logger import MessageHub, get_logger, log_failure
 from memfit.model.base import BaseModel
 from memfit.registry import HOOKS, MODELS, copy_cfg
+from memfit.resume import RunnerCheckpoints
 
 # The seeds' default hooks; entries of ``default_hooks`` replace or (set to None) remove them.
 DEFAULT_HOOKS: dict[str, dict] = dict(
@@ -37,7 +38,7 @@ DEFAULT_HOOKS: dict[str, dict] = dict(
 )
 
 
-class Runner:
+class Runner(RunnerCheckpoints):
     """MMEngine's Runner API on memfit. Pass live objects or config dicts (see the seeds)."""
 
     def __init__(
@@ -382,60 +383,13 @@ class Runner:
         finally:
             self.call_hook("after_run")
 
-    # -- checkpoints ---------------------------------------------------------------------------
+    # -- the resolved config -------------------------------------------------------------------
     def _dump_config(self) -> None:
         if self._cfg_to_dump is None or not dist.is_main_process():
             return
         from memfit.config import dump_config
 
         dump_config(self._cfg_to_dump, self.log_dir / "config.py")
-
-    def _load_or_resume(self) -> None:
-        from memfit.resume import resume_path
-
-        path = resume_path(self.resume_from, self.work_dir)
-        if path is not None:
-            self.resume(path)
-        elif self.load_from:
-            self.load_weights(self.load_from)
-
-    def load_weights(self, path: str | dict, strict: bool = True, **kwargs: Any) -> tuple[list[str], list[str]]:
-        """``load_from``: model weights only (memfit checkpoint, state dict or .safetensors).
-
-        ``path`` may be ``dict(path=..., strict=..., prefix=..., revise_keys=..., key_map=...)`` (the
-        config form); returns the (missing, unexpected) keys, which are also logged.
-        """
-        from memfit.resume import load_from_options
-
-        path, options = load_from_options(path, strict=strict, **kwargs)
-        missing, unexpected = self.strategy.load_weights(self.model, path, **options)
-        self.logger.info(f"Loaded weights from {path}")
-        return missing, unexpected
-
-    def save_checkpoint(self, filename: str, *, meta: dict | None = None, save_optimizer: bool = True,
-                        save_param_scheduler: bool = True) -> Path:
-        """Write the full training state to ``work_dir/filename`` (atomic) and point last_checkpoint at it."""
-        from memfit.checkpoint import write_latest
-        from memfit.resume import collect_state
-
-        state = collect_state(self, meta or {}, save_optimizer=save_optimizer,
-                              save_param_scheduler=save_param_scheduler)
-        self.call_hook("before_save_checkpoint", checkpoint=state)
-        path = self.work_dir / filename
-        complete = self.strategy.save_checkpoint(path, state)
-        if complete is not False and dist.is_main_process():  # False: an async write, finalized later
-            write_latest(self.work_dir, filename)
-        return path
-
-    def resume(self, path: str | Path) -> None:
-        """Restore everything ``save_checkpoint`` wrote and continue at the next unseen batch."""
-        from memfit.resume import restore_state
-
-        state = self.strategy.load_checkpoint(path)
-        restore_state(self, state, path)
-        self.call_hook("after_load_checkpoint", checkpoint=state)
-        self.logger.info(f"Resumed from {path} at epoch {self.epoch + 1}, iteration {self.iter}")
-
 
 # The seeds import FlexibleRunner; it is the same engine (it always took ``strategy=``).
 FlexibleRunner = Runner
