@@ -194,7 +194,7 @@ def test_whole_model_half_warns_with_the_risk(caplog):
 
 
 def test_inputs_to_half_casts_positions_and_keys():
-    from memfit.strategies.deepspeed import cast_inputs
+    from memfit.strategies.deepspeed_half import cast_inputs
 
     x, y = torch.randn(2, 3), torch.tensor([1, 2])
     a, b = cast_inputs([x, y], [0], torch.bfloat16)
@@ -207,7 +207,7 @@ def test_inputs_to_half_casts_positions_and_keys():
 
 
 def test_batchnorm_fp32_in_half_mode_matches_fp32_batchnorm():
-    from memfit.strategies.deepspeed import keep_batchnorm_fp32
+    from memfit.strategies.deepspeed_half import keep_batchnorm_fp32
 
     torch.manual_seed(0)
     ref, plain, half = nn.BatchNorm2d(4), nn.BatchNorm2d(4).bfloat16(), nn.BatchNorm2d(4).bfloat16()
