@@ -11,7 +11,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_p
 from memfit.checkpoint.dcp import fqn_optim_state
 from memfit.errors import ConfigError
 from memfit.strategies import SHORT_NAMES, DDPStrategy, FSDPStrategy, build_strategy, strategy_from_model_wrapper
-from memfit.strategies.fsdp import select_units
+from memfit.strategies.fsdp_units import select_units
 
 
 class Block(nn.Module):
