@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from memfit.checkpoint import capture_rng_state, restore_rng_state
+from memfit.data.prefetch import prefetch
 from memfit.dist import get_world_size
 from memfit.errors import ConfigError
 
@@ -24,11 +25,17 @@ def _sampler_of(loader: Any) -> Any:
     return sampler
 
 
-def _iterate(loader: Any) -> Iterator:
+def _device_of(runner: Any) -> torch.device | None:
+    return getattr(getattr(runner, "strategy", None), "device", None)
+
+
+def _iterate(loader: Any, device: torch.device | None = None) -> Iterator:
+    """The loader's batches; on CUDA with the next one already on its way to ``device``."""
     # Creating a DataLoader iterator draws a worker seed from the global RNG; fork it so that a
     # resumed run, which creates its iterator at another point, keeps the same RNG stream.
     with torch.random.fork_rng(devices=[]):
-        return iter(loader)
+        batches = iter(loader)
+    return batches if device is None else prefetch(batches, device)
 
 
 class TrainLoop:
@@ -128,7 +135,8 @@ class TrainLoop:
         if self.batch_in_epoch < self.iters_per_epoch:
             # Run until the loader is exhausted: after a resume at another world size the sampler
             # holds a different number of remaining batches than iters_per_epoch - batch_in_epoch.
-            for batch_idx, data_batch in enumerate(_iterate(self.dataloader), start=self.batch_in_epoch):
+            batches = _iterate(self.dataloader, _device_of(runner))
+            for batch_idx, data_batch in enumerate(batches, start=self.batch_in_epoch):
                 self.run_iter(batch_idx, data_batch)
         self._epoch_end = True
         runner.call_hook("after_train_epoch")
@@ -150,7 +158,7 @@ class TrainLoop:
                     self.batch_in_epoch = 0
                 if hasattr(self.sampler, "set_epoch"):
                     self.sampler.set_epoch(self.epoch)
-                data = _iterate(self.dataloader)
+                data = _iterate(self.dataloader, _device_of(runner))
             self.run_iter(self.batch_in_epoch, next(data))
             if self._val_due(self.iter):
                 self._validate()

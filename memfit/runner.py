@@ -274,7 +274,8 @@ class Runner(RunnerCheckpoints):
     def _build_dataloader(self, cfg: Any, key: str) -> Any:
         from memfit.data import build_dataloader
 
-        return build_dataloader(cfg, seed=self.seed, rank=self.rank, world_size=self.world_size, key=key)
+        return build_dataloader(cfg, seed=self.seed, rank=self.rank, world_size=self.world_size, key=key,
+                                device=self.device)
 
     def _prepare(self, with_optimizer: bool) -> None:
         if self._prepared:

@@ -273,9 +273,9 @@ class DataloaderCfg(Section):
     sampler: Any = None
     batch_sampler: Any = None
     collate_fn: Any = None
-    num_workers: int = 0
+    num_workers: int | None = None  # None: memfit.data.loader.default_num_workers for the run's device
     persistent_workers: bool = False
-    pin_memory: bool = False
+    pin_memory: bool | None = None  # None: pinned when training on CUDA
     drop_last: bool = False
     prefetch_factor: int | None = None
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -51,6 +53,7 @@ def build_dataloader(
     rank: int = 0,
     world_size: int = 1,
     key: str = "dataloader",
+    device: torch.device | str | None = None,
 ) -> DataLoader:
     """Build a DataLoader from an MMEngine-style ``cfg`` dict, or adapt a live ``DataLoader``.
 
@@ -61,7 +64,9 @@ def build_dataloader(
     ``persistent_workers``, ``pin_memory``, ``drop_last``, ``prefetch_factor``. With
     ``num_workers=0`` the two worker-only options are dropped (configs written for GPU machines
     then run unchanged). ``batch_sampler`` is not supported. ``seed``, ``rank`` and ``world_size``
-    go to the sampler; ``key`` names the config section in error messages.
+    go to the sampler; ``key`` names the config section in error messages. ``device``: where the
+    batches go. On CUDA, batches are pinned unless ``pin_memory=False`` (pinning needs CUDA, so it is
+    off elsewhere), and a missing ``num_workers`` is :func:`default_num_workers`.
 
     A live DataLoader whose sampler is a plain ``SequentialSampler``/``RandomSampler`` with automatic
     batching is rebuilt around a DefaultSampler (same dataset, batch size, collate function, workers,
@@ -93,24 +98,43 @@ def build_dataloader(
     if isinstance(sampler, DefaultSampler):
         dataset = SeededDataset(dataset)
     collate_fn = build_collate_fn(cfg.get("collate_fn"), key=key)
+    cuda = device is not None and torch.device(device).type == "cuda"
     try:  # DataLoader's own checks (num_workers, prefetch_factor, ...) as one line naming the key
-        num_workers = int(cfg.get("num_workers", 0))
+        num_workers = cfg.get("num_workers")
+        defaulted = num_workers is None
+        num_workers = default_num_workers(device, world_size) if defaulted else int(num_workers)
         kwargs: dict[str, Any] = {}
         if num_workers > 0:
-            kwargs["persistent_workers"] = bool(cfg.get("persistent_workers", False))
+            # Workers memfit chose are kept across epochs (and validations): starting them costs seconds.
+            kwargs["persistent_workers"] = bool(cfg.get("persistent_workers", defaulted))
             kwargs["prefetch_factor"] = cfg.get("prefetch_factor")
+        pin = cfg.get("pin_memory")
         return DataLoader(
             dataset,
             batch_size=batch_size,
             sampler=sampler,
             collate_fn=collate_fn,
             num_workers=num_workers,
-            pin_memory=bool(cfg.get("pin_memory", False)),
+            pin_memory=cuda if pin is None else bool(pin) and cuda,
             drop_last=bool(cfg.get("drop_last", False)),
             **kwargs,
         )
     except (TypeError, ValueError) as exc:
         raise component_error(key, "DataLoader", exc) from exc
+
+
+def default_num_workers(device: torch.device | str | None, world_size: int = 1) -> int:
+    """Loader workers when the config gives none: on CUDA, this process's share of the CPU cores it may
+    use (``os.sched_getaffinity``) less one for the training process itself, at most 8 (beyond that the
+    GPU, not decoding, is the limit for vision models); elsewhere 0, since the step itself uses every core."""
+    if device is None or torch.device(device).type != "cuda":
+        return 0
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        cores = os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", min(world_size, torch.cuda.device_count() or 1)))
+    return max(0, min(8, cores // max(local, 1) - 1))
 
 
 def _check_not_empty(dataset: Any, sampler: Any, batch_size: int, drop_last: bool, key: str) -> None:

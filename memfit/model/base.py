@@ -48,16 +48,19 @@ class BaseDataPreprocessor(_FollowsDevice):
     """Moves a batch to the model's device. Subclass to normalise, pad or augment on the device.
 
     ``device`` follows ``.to()``/``.cuda()``/``.cpu()`` of the preprocessor or of its BaseModel (as
-    MMEngine's ``_device``); it starts on the CPU."""
+    MMEngine's ``_device``); it starts on the CPU. ``non_blocking``: copy without waiting for the copy
+    to finish; by default (None) on CUDA, where a pinned batch then overlaps the step's work (a copy
+    to the host is never non-blocking: its reader would not wait)."""
 
-    def __init__(self, non_blocking: bool = False) -> None:
+    def __init__(self, non_blocking: bool | None = None) -> None:
         super().__init__()
         self.non_blocking = non_blocking
         self.device: torch.device = torch.device("cpu")
 
     def cast_data(self, data: Any) -> Any:
         """Every tensor in ``data`` on this preprocessor's device."""
-        return move_to(data, self.device, self.non_blocking)
+        cuda = self.device.type == "cuda"
+        return move_to(data, self.device, cuda and self.non_blocking is not False)
 
     def forward(self, data: Any, training: bool = False) -> Any:
         return self.cast_data(data)

@@ -131,7 +131,7 @@ def test_other_sections_fill_defaults():
     assert env == EnvCfg(cudnn_benchmark=False, mp_cfg=None, dist_cfg={"backend": "gloo"})
     assert Randomness.from_dict(dict(seed=0), "randomness") == Randomness(seed=0, deterministic=False)
     loader = DataloaderCfg.from_dict(dict(dataset=dict(type="ShapesDataset")), "train_dataloader")
-    assert (loader.batch_size, loader.num_workers, loader.sampler) == (1, 0, None)
+    assert (loader.batch_size, loader.num_workers, loader.sampler) == (1, None, None)  # None: chosen for the device
     assert loader.to_dict()["dataset"] == {"type": "ShapesDataset"}
 
 
@@ -141,7 +141,7 @@ def test_other_sections_fill_defaults():
         (dict(batch_size=2), r"val_dataloader.dataset is required"),
         (dict(dataset={}, batch_size=0), r"val_dataloader.batch_size must be >= 1"),
         (dict(dataset={}, num_workers=-1), r"val_dataloader.num_workers must be >= 0"),
-        (dict(dataset={}, pin_memory=1), r"val_dataloader.pin_memory must be bool, got int 1"),
+        (dict(dataset={}, pin_memory=1), r"val_dataloader.pin_memory must be bool or None, got int 1"),
     ],
 )
 def test_dataloader_errors_name_the_loader(d, message):
@@ -162,5 +162,6 @@ def test_sections_that_are_objects_are_left_to_their_builders():
 
 def test_worker_only_options_allowed_without_workers():
     # A GPU config run with num_workers=0 keeps working: the loader builder drops these two.
-    cfg = DataloaderCfg.from_dict(dict(dataset={}, persistent_workers=True, prefetch_factor=2), "val_dataloader")
+    cfg = DataloaderCfg.from_dict(dict(dataset={}, num_workers=0, persistent_workers=True, prefetch_factor=2),
+                                  "val_dataloader")
     assert cfg.num_workers == 0 and cfg.persistent_workers is True

@@ -23,8 +23,16 @@ class BatchRecorder(Hook):
 
 # A per-iteration schedule with accumulation steps the LR after micro-steps that did not step the
 # optimizer (MMEngine's behaviour too).
-@pytest.mark.parametrize("by_epoch, sampler", [(True, "DefaultSampler"), (False, "InfiniteSampler")])
-def test_resume_mid_epoch_inside_accumulation_window(tmp_path, kit, by_epoch, sampler):
+# ahead: the loop takes each batch one step early as on CUDA (memfit.data.prefetch), here on the CPU.
+@pytest.mark.parametrize("by_epoch, sampler, ahead", [(True, "DefaultSampler", False), (False, "InfiniteSampler", False),
+                                                      (True, "DefaultSampler", True), (False, "InfiniteSampler", True)])
+def test_resume_mid_epoch_inside_accumulation_window(tmp_path, kit, by_epoch, sampler, ahead, monkeypatch):
+    import functools
+
+    import memfit.loops
+    from memfit.data.prefetch import prefetch
+
+    monkeypatch.setattr(memfit.loops, "prefetch", functools.partial(prefetch, ahead=ahead))
     train_cfg = dict(by_epoch=True, max_epochs=2) if by_epoch else dict(by_epoch=False, max_iters=16)
     common = dict(
         train_cfg=train_cfg,

@@ -36,7 +36,7 @@ class DetDataPreprocessor(BaseDataPreprocessor):
 
     def __init__(self, mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
                  bgr_to_rgb: bool = False, rgb_to_bgr: bool = False, pad_size_divisor: int = 1,
-                 pad_value: float = 0, non_blocking: bool = False,
+                 pad_value: float = 0, non_blocking: bool | None = None,
                  batch_augments: Sequence[dict | Callable] | None = None) -> None:
         super().__init__(non_blocking=non_blocking)
         if (mean is None) != (std is None):
