@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from memfit.errors import ConfigError, did_you_mean
+from memfit.model.blocks import CONTAINERS
 
 
 def select_units(model: nn.Module, wrap_modules: list[Any] | None = None,
@@ -54,8 +55,7 @@ def repeated_blocks(model: nn.Module) -> dict[str, nn.Module]:
     def pick(composite_only: bool) -> dict[str, nn.Module]:
         units: dict[str, nn.Module] = {}
         for name, m in model.named_modules():
-            # Containers repeat in any model (stages are Sequentials) without being a block type.
-            if not name or counts[type(m)] < 2 or isinstance(m, _CONTAINERS) or next(m.parameters(), None) is None:
+            if not name or counts[type(m)] < 2 or isinstance(m, CONTAINERS) or next(m.parameters(), None) is None:
                 continue
             if composite_only and not any(next(c.parameters(), None) is not None for c in m.children()):
                 continue
@@ -65,9 +65,6 @@ def repeated_blocks(model: nn.Module) -> dict[str, nn.Module]:
         return units
 
     return pick(composite_only=True) or pick(composite_only=False)
-
-
-_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
 def _run_policy(model: nn.Module, policy: Any) -> dict[str, nn.Module]:
