@@ -1,5 +1,6 @@
 """The connector: turns the config's strategy, optimizer wrapper and precision settings into one
-Strategy holding one Precision, and sets the model up in torchtitan's order.
+Strategy holding one Precision, and sets the model up in torchtitan's order (memory techniques,
+speed levers, compile, then the strategy's wrapping).
 
 Lightning Fabric's split: a strategy and a precision are separate objects; this small module
 chooses them, maps MMEngine's names onto them (``AmpOptimWrapper`` asks for autocast,
@@ -190,19 +191,22 @@ def _check_several_optimizers(wrapper: Any, strategy: Strategy) -> None:
 
 def setup(model: nn.Module, strategy: Strategy, optim_wrapper: Any = None, techniques: dict | None = None, *,
           optimizer_in_backward: bool = False, optimizer_offload: bool = False,
-          precision: dict | None = None) -> tuple[nn.Module, Any]:
+          precision: dict | None = None, compile: bool | dict = False) -> tuple[nn.Module, Any]:
     """Set ``model`` up for training (``optim_wrapper`` given) or evaluation; returns (model, wrapper).
 
     The order is torchtitan's: choose the precision, move the model to the device, apply the memory
-    techniques (``techniques``: the runner's ``cfg`` switches), convert it for the precision (fp32
-    islands, whole-model casts), let the strategy wrap or shard it, build the optimizer over the
-    wrapped parameters, let the precision prepare it (fp32 master weights) and the strategy finish
-    with it (ZeRO-1, DeepSpeed's engine, colossalai's booster). ``optimizer_offload``: the optimizer's
-    state and step on the host (:mod:`memfit.optim.offload`). ``precision``: the Runner's
+    techniques (``techniques``: the runner's ``cfg`` switches), make it channels_last (``techniques``'
+    ``channels_last``), convert it for the precision (fp32 islands, whole-model casts), compile it
+    (``compile``: the Runner's key, regional by default, :mod:`memfit.speed.compile`), let the strategy
+    wrap or shard it, build the optimizer over the wrapped parameters, let the precision prepare it
+    (fp32 master weights) and the strategy finish with it (ZeRO-1, DeepSpeed's engine, colossalai's
+    booster). ``techniques``' ``tf32`` sets the process-wide TF32 flags first. ``optimizer_offload``: the
+    optimizer's state and step on the host (:mod:`memfit.optim.offload`). ``precision``: the Runner's
     ``precision=dict(opt_level=...)`` (Apex's levels), None to follow the wrapper and the strategy.
     """
     from memfit.memory import apply_memory_techniques
     from memfit.optim.builder import build_optim_wrapper
+    from memfit.speed import apply_channels_last, apply_compile, check_speed_levers
 
     if not strategy.env_ready:  # built by hand (tests, notebooks): join the launch's group, pick the device
         strategy.setup_env(dist.resolve_launcher(None))
@@ -212,10 +216,15 @@ def setup(model: nn.Module, strategy: Strategy, optim_wrapper: Any = None, techn
         _check_in_backward(strategy, optim_wrapper, precision_policy)
     if optimizer_offload and optim_wrapper is not None:
         _check_offload(strategy, precision_policy, optimizer_in_backward)
+    compile_options = check_speed_levers(techniques, compile, strategy.device)
     model = strategy.to_device(model)
     if techniques:
         apply_memory_techniques(model, techniques)
+    if techniques and techniques.get("channels_last"):
+        apply_channels_last(model, weights=not strategy.contiguous_parameters)
     precision_policy.convert_module(model)
+    if compile_options is not None:
+        apply_compile(model, compile_options)
     model = strategy.wrap(model)
     wrapper = None
     if optim_wrapper is not None:

@@ -288,10 +288,7 @@ class Runner(RunnerCheckpoints):
         self.model, self.optim_wrapper = setup(
             self.model, self.strategy, optim_cfg, self.cfg, precision=self._precision,
             optimizer_in_backward=bool(self.cfg.get("optimizer_in_backward")) and with_optimizer,
-            optimizer_offload=bool(self.cfg.get("optimizer_offload")) and with_optimizer)
-        if self.compile:
-            kwargs = self.compile if isinstance(self.compile, dict) else {}
-            self.model.compile(**kwargs)
+            optimizer_offload=bool(self.cfg.get("optimizer_offload")) and with_optimizer, compile=self.compile)
         self._prepared = True
 
     def _scaled_optim_cfg(self) -> Any:

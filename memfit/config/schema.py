@@ -52,7 +52,7 @@ RUNNER_KEYS: tuple[str, ...] = (
     "precision",  # Apex's opt levels (VISSL's AMP_ARGS): memfit.precision.master.precision_options
 )
 
-# Memory techniques a config may switch on at top level; the runner reads them from ``cfg``.
+# Memory techniques and speed levers a config may switch on at top level; the runner reads them from ``cfg``.
 TECHNIQUE_KEYS: tuple[str, ...] = (
     "activation_checkpointing",
     "efficient_conv_bn_eval",
@@ -63,6 +63,9 @@ TECHNIQUE_KEYS: tuple[str, ...] = (
     "memory_monitor",
     "auto_fit",  # dict(budget='24GiB', gpus=8): memfit.planner.autofit, applied by Runner.from_cfg
     "planner",  # dict(input_shape='2x3x800x1344'): what the planner plans for (memfit.planner.inputs)
+    # Speed levers (memfit.speed), applied by memfit.connector.setup; compile is the Runner's own key above.
+    "channels_last",  # True: NHWC weights and images (memfit.speed.channels_last)
+    "tf32",  # True/False: TF32 for CUDA matmuls and cuDNN convolutions, process-wide (memfit.speed.tf32)
 )
 
 # MMEngine config variables that other keys are built from (``visualizer = dict(vis_backends=vis_backends)``);

@@ -83,7 +83,13 @@ class _RecomputeContext:
 
 def checkpoint_kwargs(regions: Iterable[nn.Module], context_fn: Callable[[], Any] | None) -> dict[str, Any]:
     """``checkpoint``'s ``context_fn`` for a region made of ``regions``: the selective contexts and the
-    running-statistics guard of :class:`_RecomputeContext`; empty when neither applies."""
+    running-statistics guard of :class:`_RecomputeContext`; empty when neither applies.
+
+    Under ``torch.compile`` (a compiled block traces its checkpoint) the guard is left out: the compiled
+    backward recomputes from the traced graph, whose running-statistics update runs in the forward only
+    (and dynamo traces only the selective contexts)."""
+    if torch.compiler.is_compiling():
+        return {"context_fn": context_fn} if context_fn is not None else {}
     norms = [m for r in regions for m in r.modules()
              if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats]
     if not norms:

@@ -182,6 +182,12 @@ def build_optimizer(model: nn.Module, cfg: Any, paramwise_cfg: dict | None = Non
         params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ConfigError("the model has no trainable parameters (all requires_grad=False)")
+    if cfg.get("fused") is not None and cfg.get("type") is not None:  # no type: the build below says so
+        from memfit.speed.fused import check_fused
+
+        kind = cfg.get("type")
+        check_fused(cfg, OPTIMIZERS.get(kind, key="optim_wrapper.optimizer.type") if isinstance(kind, str) else kind,
+                    params, host=offload)
     if in_backward:
         from memfit.optim.in_backward import OptimizerInBackward
 

@@ -25,6 +25,10 @@ from memfit.precision import Precision
 class Strategy:
     """Base strategy: one process, one device. Subclasses override what their backend changes."""
 
+    # The backend flattens or shards parameters and needs them contiguous (FSDP2 refuses channels_last
+    # weights): channels_last then converts the batch only (memfit.speed.channels_last).
+    contiguous_parameters = False
+
     def __init__(self) -> None:
         self.device = torch.device("cpu")
         self.precision: Precision = Precision()
@@ -39,8 +43,9 @@ class Strategy:
         self.device = dist.default_device()
         self.precision.to_device(self.device)
         self.env_ready = True
-        if env_cfg.get("cudnn_benchmark") and self.device.type == "cuda":
-            torch.backends.cudnn.benchmark = True
+        from memfit.speed.cudnn import apply_cudnn_benchmark
+
+        apply_cudnn_benchmark(bool(env_cfg.get("cudnn_benchmark")), self.device)
 
     @property
     def rank(self) -> int:

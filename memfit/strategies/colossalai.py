@@ -68,6 +68,8 @@ class ColossalAIStrategy(Strategy):
     for the plugin's own options. ``mixed_precision``: 'fp16'/'bf16' (the sharded plugins' ``precision``;
     torch autocast through an AmpOptimWrapper for the DDP plugin) or None for fp32."""
 
+    contiguous_parameters = True  # Gemini and LowLevelZero keep parameters in flat chunks
+
     def __init__(self, plugin: str | dict = "gemini", mixed_precision: str | None = None,
                  config: Any = None, model_wrapper: dict | None = None) -> None:
         super().__init__()

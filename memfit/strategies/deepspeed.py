@@ -75,6 +75,8 @@ class DeepSpeedStrategy(Strategy):
     frozen weights out of checkpoints.
     """
 
+    contiguous_parameters = True  # ZeRO flattens the parameters into contiguous buffers
+
     def __init__(self, *, config: str | dict | None = None, zero_optimization: dict | None = None,
                  gradient_clipping: float | None = None, fp16: dict | None = None, bf16: dict | None = None,
                  amp: dict | None = None, torch_autocast: dict | None = None, inputs_to_half: list | None = None,

@@ -71,6 +71,8 @@ class FSDPStrategy(Strategy):
     starts, and at the end of training (:meth:`finalize_checkpoints`).
     """
 
+    contiguous_parameters = True  # fully_shard: "FSDP does not support non-contiguous parameters"
+
     def __init__(
         self,
         wrap_modules: Iterable[Any] | None = None,

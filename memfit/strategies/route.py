@@ -25,12 +25,14 @@ class _Route:
     """The instance ``_call_impl``: outer calls go through ``wrapper``, its call back runs the model."""
 
     def __init__(self, model: nn.Module, wrapper: nn.Module, when: Callable[[], bool] | None,
-                 prepare: Callable[[tuple, dict], tuple[tuple, dict]] | None) -> None:
+                 prepare: Callable[[tuple, dict], tuple[tuple, dict]] | None,
+                 compiled: Callable[..., Any] | None = None) -> None:
         self.model = model
         self.wrapper = wrapper
         self.when = when
         self.prepare = prepare
-        self.call = types.MethodType(nn.Module._call_impl, model)  # hooks + forward, as usual
+        self.compiled = compiled  # the model's whole-model torch.compile (Module.compile), run as the inner call
+        self.call = compiled or types.MethodType(nn.Module._call_impl, model)  # hooks + forward, as usual
         self.inside = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -57,15 +59,20 @@ def route_forward(model: nn.Module, wrapper: nn.Module, when: Callable[[], bool]
     """Make ``model(...)`` (and so ``model.train_step``/``val_step``) run through ``wrapper``, which
     must call ``model`` exactly once per forward. ``when``: route only while it returns True (DDP:
     only with gradients enabled, so evaluation issues no collectives); ``prepare(args, kwargs)``
-    transforms the inputs first (DeepSpeed's ``inputs_to_half``). Returns ``model``."""
+    transforms the inputs first (DeepSpeed's ``inputs_to_half``). A model compiled whole (``Module.compile``,
+    whose compiled call ``nn.Module.__call__`` would run instead of the route) keeps it as the inner call:
+    the wrapper runs eagerly around the compiled model. Returns ``model``."""
     unroute(model)
-    model.__dict__[_ROUTE] = _Route(model, wrapper, when, prepare)
+    compiled = model.__dict__.pop("_compiled_call_impl", None)
+    model.__dict__[_ROUTE] = _Route(model, wrapper, when, prepare, compiled)
     return model
 
 
 def unroute(model: nn.Module) -> None:
-    """Undo :func:`route_forward`."""
-    model.__dict__.pop(_ROUTE, None)
+    """Undo :func:`route_forward` (a whole-model compile is the model's own call again)."""
+    route = model.__dict__.pop(_ROUTE, None)
+    if isinstance(route, _Route) and route.compiled is not None:
+        model._compiled_call_impl = route.compiled
 
 
 def routed_wrapper(model: nn.Module) -> nn.Module | None:

@@ -20,7 +20,7 @@ LAYERS = {
     "memfit._version": 0, "memfit.errors": 0, "memfit.dist": 0, "memfit.registry": 0,
     "memfit.checkpoint": 1, "memfit.precision": 1, "memfit.memory": 1, "memfit.model": 1, "memfit.data": 1,
     "memfit.evaluator": 1, "memfit.config": 1, "memfit.logger": 1,
-    "memfit.strategies": 2,
+    "memfit.strategies": 2, "memfit.speed": 2,
     "memfit.optim": 3,  # a wrapper used on its own makes itself a one-device strategy
 }
 TOP = 4
