@@ -186,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=1, metavar="M", help="machines (default 1)")
     p.add_argument("--budget", metavar="SIZE", help="memory per rank the plan must fit (default: the device's)")
     p.add_argument("--as-is", action="store_true", help="predict only the configured plan")
+    p.add_argument("--compile", action="store_true", help="list compiled twins of the plans too (torch.compile; "
+                   "their memory is their eager plan's)")
     p.add_argument("--json", metavar="PATH", help="write the plans as JSON")
     p.add_argument("--png", metavar="PATH", help="chart path (default: WORK_DIR/plan.png)")
     p.add_argument("--top", type=int, default=25, help="rows to print (default 25, fastest first)")

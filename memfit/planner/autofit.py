@@ -3,7 +3,8 @@
 ``memfit train CFG --auto-fit [BUDGET]`` or ``auto_fit=dict(budget='24GiB', gpus=8)`` in a config:
 the planner predicts every plan at the run's world size (``gpus`` x ``nodes``, else the launch's
 ``WORLD_SIZE``), the fastest one within the budget less a 5% margin is verified by a whole fake step
-and applied to the config, logged in one line and written to ``work_dir/auto_fit.json``. The default
+and applied to the config, logged in one line and written to ``work_dir/auto_fit.json``. With
+``compile=True`` it may pick a compiled plan (its memory is its eager plan's). The default
 budget is the current GPU's free memory (the CPU's physical memory without one). If nothing fits, a
 one-line error names the closest plan and its predicted peak.
 """
@@ -18,7 +19,7 @@ from typing import Any
 from memfit.errors import ConfigError, did_you_mean
 from memfit.planner.devices import Device, current_cuda, gpu, parse_bytes, this_cpu
 
-AUTO_FIT_KEYS = ("budget", "gpus", "nodes", "gpu")
+AUTO_FIT_KEYS = ("budget", "gpus", "nodes", "gpu", "compile")
 
 
 def target_device(name: str | None = None) -> Device:
@@ -40,7 +41,8 @@ def default_budget(device: Device) -> int:
 
 
 def auto_fit_options(value: Any) -> dict[str, Any]:
-    """``auto_fit`` as a dict: True, a budget ('24GiB') or dict(budget=..., gpus=..., nodes=..., gpu=...)."""
+    """``auto_fit`` as a dict: True, a budget ('24GiB') or dict(budget=..., gpus=..., nodes=..., gpu=...,
+    compile=True)."""
     if value is True:
         return {}
     if isinstance(value, (str, int, float)) and not isinstance(value, bool):
@@ -65,7 +67,7 @@ def apply_auto_fit(cfg: dict, value: Any = True) -> tuple[dict, str]:
     world = int(options.get("gpus", 0) or os.environ.get("WORLD_SIZE", 1)) * int(options.get("nodes", 1))
     budget = parse_bytes(options["budget"], "auto_fit.budget") if "budget" in options else default_budget(device)
     cfg = {k: v for k, v in cfg.items() if k != "auto_fit"}
-    pred = predict(cfg, device=device, world_size=world, budget=budget)
+    pred = predict(cfg, device=device, world_size=world, budget=budget, compile=bool(options.get("compile")))
     if pred.recommended is None:
         closest = min(pred.results, key=lambda r: r.peak_bytes)
         raise ConfigError(f"auto_fit: no plan fits {size(budget)} per rank on {world} x {device.name}; the "

@@ -10,9 +10,11 @@ the first plan measured in the same run. Under torchrun every rank measures and 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,10 +43,28 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@contextlib.contextmanager
+def _process_switches() -> Iterator[None]:
+    """cuDNN's benchmark and TF32 are switches of the whole process: a plan measures with its own, and the
+    next plan starts from what was set before (torch's defaults, unless the caller chose)."""
+    b = torch.backends
+    saved = (b.cudnn.benchmark, b.cuda.matmul.fp32_precision, b.cudnn.conv.fp32_precision)
+    try:
+        yield
+    finally:
+        b.cudnn.benchmark, b.cuda.matmul.fp32_precision, b.cudnn.conv.fp32_precision = saved
+
+
 def measure_plan(cfg: dict, plan: Plan, facts: ModelFacts, steps: int = 3, batch: Any = None) -> Measured:
     """Peak bytes (tracker) and median optimizer-step seconds of ``plan`` applied to ``cfg``, on the
     device the strategy picks (this process's GPU, else the CPU), on ``batch`` (default: the largest batch
-    the train pipeline can make, :mod:`memfit.planner.inputs`)."""
+    the train pipeline can make, :mod:`memfit.planner.inputs`), with its speed levers on."""
+    with _process_switches():
+        return _measure_plan(cfg, plan, facts, steps, batch)
+
+
+def _measure_plan(cfg: dict, plan: Plan, facts: ModelFacts, steps: int, batch: Any) -> Measured:
+    from memfit import dist
     from memfit.connector import setup
     from memfit.optim.builder import scale_lr_cfg
     from memfit.precision import precision_options
@@ -55,13 +75,16 @@ def measure_plan(cfg: dict, plan: Plan, facts: ModelFacts, steps: int = 3, batch
     torch.manual_seed(0)
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1  # under torchrun no strategy means DDP, as the runner
     strategy = build_strategy(run_cfg.get("strategy") or ("ddp" if launched else None))
+    env = run_cfg.get("env_cfg") or {}
+    strategy.setup_env(dist.resolve_launcher(None), {"cudnn_benchmark": bool(env.get("cudnn_benchmark"))})
     model = MODELS.build(run_cfg["model"], key="model")
     techniques = technique_cfg(run_cfg)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     optim_cfg = scale_lr_cfg(run_cfg["optim_wrapper"], run_cfg.get("auto_scale_lr"),
                              lambda: run_cfg["train_dataloader"]["batch_size"] * world)
+    compiled = {"compile": run_cfg["compile"]} if run_cfg.get("compile") else {}  # as the runner compiles
     model, wrapper = setup(model, strategy, optim_cfg, techniques,
-                           precision=precision_options(run_cfg.get("precision")))
+                           precision=precision_options(run_cfg.get("precision")), **compiled)
     model.train()
     batch = batch if batch is not None else Inputs(run_cfg).batch()
     k = plan.accumulative_counts

@@ -9,7 +9,7 @@ from typing import Any
 
 from memfit.errors import ConfigError
 from memfit.planner.devices import Device, custom_gpu, gpu, parse_bytes, this_cpu
-from memfit.planner.space import OFFLOADS, PRECISIONS, SHARDINGS, Plan
+from memfit.planner.space import LEVER_WORDS, OFFLOADS, PRECISIONS, SHARDINGS, Plan
 
 
 def _device(args: Any) -> Device:
@@ -34,17 +34,18 @@ def _device(args: Any) -> Device:
 
 def plan_command(args: Any, cfg: dict) -> int:
     from memfit.planner.predict import predict
-    from memfit.planner.report import plan_table, summary, write_json, write_png
+    from memfit.planner.report import footer, plan_table, summary, write_json, write_png
 
     device = _device(args)
     budget = parse_bytes(args.budget) if args.budget else None
     world = args.gpus * args.nodes
     pred = predict(cfg, device=device, world_size=world, budget=budget, as_is=args.as_is,
-                   progress=sys.stderr.isatty())
+                   progress=sys.stderr.isatty(), compile=getattr(args, "compile", False))
     print(plan_table(pred, None if args.all else args.top))
     shown = len(pred.results) if args.all else min(args.top, len(pred.results))
     if shown < len(pred.results):
         print(f"({shown} fastest of {len(pred.results)} plans; --all shows every one)")
+    print(footer(pred))
     print(summary(pred))
     print(f"planned for {pred.input.describe()}")
     print(f"planned in {pred.seconds:.1f} s ({pred.fake_steps} fake steps); peak = "
@@ -58,9 +59,11 @@ def plan_command(args: Any, cfg: dict) -> int:
 
 
 def parse_plan(name: str, base: Plan) -> Plan:
-    """A plan from its name ('bf16 ac:blocks fsdp mb8x4'); axes left out keep ``base``'s values."""
+    """A plan from its name ('bf16 ac:blocks fsdp fused mb8x4'); precision and micro-batch left out keep
+    ``base``'s values, the other axes and the speed levers left out are off."""
     fields: dict[str, Any] = {"activation_checkpointing": "none", "sharding": "none", "offload": "none",
-                              "efficient_conv_bn_eval": False}
+                              "efficient_conv_bn_eval": False, **dict.fromkeys(LEVER_WORDS, False)}
+    levers = {word: key for key, word in LEVER_WORDS.items()}
     for token in name.split():
         if token in PRECISIONS:
             fields["precision"] = token
@@ -72,6 +75,8 @@ def parse_plan(name: str, base: Plan) -> Plan:
             fields["offload"] = token[8:]
         elif token == "conv-bn":
             fields["efficient_conv_bn_eval"] = True
+        elif token in levers:
+            fields[levers[token]] = True
         elif token.startswith("mb") and "x" in token:
             mb, k = token[2:].split("x")
             fields["micro_batch"], fields["accumulative_counts"] = int(mb), int(k)
@@ -80,12 +85,13 @@ def parse_plan(name: str, base: Plan) -> Plan:
         else:
             raise ConfigError(f"--plans: {token!r} in {name!r} is not a plan word: fp32|bf16|fp16, ac:none|stages|"
                               "blocks|every2|selective|firstN, none|zero1|zero2|fsdp, offload:params|optimizer, "
-                              "conv-bn, mbBxK")
+                              f"conv-bn, {', '.join(LEVER_WORDS.values())}, mbBxK")
     return replace(base, configured=False, **fields)
 
 
-def default_bench_plans(configured: Plan, facts: Any, device: Device) -> list[Plan]:
-    """The configured plan, then each technique alone and a few combinations, at one rank."""
+def default_bench_plans(configured: Plan, facts: Any, device: Device, levers: Any = None) -> list[Plan]:
+    """The configured plan, then each technique alone and a few combinations, at one rank, each with the speed
+    levers the planner gives its plans (``levers``, :class:`memfit.planner.levers.Levers`; none by default)."""
     base = replace(configured, configured=False, sharding="none", offload="none")
     half = "bf16" if device.dtype_tflops("bf16") else "fp16"
     plans = [configured, replace(base, precision="fp32"), replace(base, precision=half)]
@@ -102,6 +108,8 @@ def default_bench_plans(configured: Plan, facts: Any, device: Device) -> list[Pl
         mb = configured.micro_batch // 2
         plans.append(replace(base, micro_batch=mb, accumulative_counts=configured.accumulative_counts
                              * configured.micro_batch // mb))
+    if levers is not None:
+        plans = [plans[0], *(levers.on(replace(p, compile=False)) for p in plans[1:])]
     return list(dict.fromkeys(plans))
 
 
@@ -111,6 +119,7 @@ def bench_command(args: Any, cfg: dict) -> int:
     from memfit.planner.bench import bench
     from memfit.planner.fake import build_meta_model
     from memfit.planner.inputs import Inputs
+    from memfit.planner.levers import allowed_levers
     from memfit.planner.predict import predict
     from memfit.planner.report import GB, write_csv
     from memfit.planner.space import ModelFacts, configured_plan
@@ -118,12 +127,12 @@ def bench_command(args: Any, cfg: dict) -> int:
     device = _device(args)
     facts = ModelFacts.of(build_meta_model(cfg["model"]))
     configured = configured_plan(cfg, facts, device.cuda)
-    plans = [parse_plan(n.strip(), configured) for n in args.plans.split(",")] if args.plans else \
-        default_bench_plans(configured, facts, device)
     inputs = Inputs(cfg)
+    plans = [parse_plan(n.strip(), configured) for n in args.plans.split(",")] if args.plans else \
+        default_bench_plans(configured, facts, device, allowed_levers(cfg, facts, device, inputs.fixed_size))
     print(f"measured on {inputs.planned().describe()}")
     pred = predict(cfg, device=device, world_size=1, budget=None, progress=sys.stderr.isatty(), verify=False,
-                   inputs=inputs)
+                   inputs=inputs, also=plans)
     predicted = {r.plan: r for r in pred.results}
     measured = bench(cfg, plans, facts, steps=args.steps, progress=sys.stderr.isatty(), inputs=inputs)
     base_pred = predicted.get(measured[0].plan)

@@ -11,11 +11,18 @@ One optimizer step of a plan with k micro-steps takes
                all-gather, the gradient shard out; optimizer offload: the parameters and gradients out,
                the parameters back) + the optimizer step on the host
     optimizer = bytes the optimizer reads and writes (parameters, gradients, state) / memory bandwidth
+                (on CUDA: foreach's several passes or fused's one, and the step's operators launched)
     step     = max(compute, comm) + offload + optimizer     (communication overlaps compute; offload waits)
 
 FLOPs come from ``torch.utils.flop_counter``'s formulas over the operators the fake step dispatched,
 so activation checkpointing's recomputation is counted as it runs; operator counts carry the fixed
 per-kernel cost that makes small micro-batches slower. Only ratios are reported.
+
+The speed levers (:mod:`memfit.planner.levers`) on CUDA: an fp32 plan's convolutions run at the TF32 rate
+(cuDNN allows TF32 by default) and, with ``tf32``, its matmuls too; ``channels_last`` and
+``cudnn_benchmark`` scale the convolutions' seconds; ``compile`` scales FLOP seconds, memory-bound bytes
+and launches; a fused optimizer makes one pass over its tensors where foreach makes several. The factors
+are :data:`LEVER_FACTORS`, one table.
 """
 
 from __future__ import annotations
@@ -27,6 +34,35 @@ from memfit.planner.fake import StepMeasurement
 from memfit.planner.space import Plan
 
 HOST_STEP_BYTES_PER_S = 20e9  # an optimizer step on the host CPU (either offload) touches state at ~20 GB/s
+
+# The speed levers' factors by device family (Device.family); a family without a row takes "default"'s.
+# provisional: replaced by the H100 measurement (benchmarks/gpu_throughput.py, torch 2.11).
+LEVER_FACTORS: dict[str, dict[str, float]] = {
+    "default": {
+        # x the convolutions' seconds: cuDNN's fast convolution kernels are NHWC; NCHW inputs are transposed
+        # around them (provisional)
+        "channels_last": 0.8,
+        # x the convolutions' seconds: the fastest algorithm, tuned once per input size, over the heuristic's
+        # choice (provisional)
+        "cudnn_benchmark": 0.9,
+        # x the FLOPs' seconds: matmuls and convolutions stay cuBLAS's and cuDNN's (provisional)
+        "compile_flops": 1.0,
+        # x the bytes memory-bound operators write: elementwise chains fused into one kernel (provisional)
+        "compile_written": 0.5,
+        # x the operators launched: one kernel per fused region, no Python dispatch per operator (provisional)
+        "compile_ops": 0.3,
+        # foreach's optimizer traffic over fused's one pass: AdamW's _multi_tensor_adamw reads and writes ~20
+        # parameter-sized tensors per step (weight decay, lerp, mul, addcmul, sqrt, div, add, addcdiv), the fused
+        # kernel 7 (reads parameters, gradients, both moments; writes parameters and moments), counted in
+        # torch/optim/adamw.py (provisional)
+        "optimizer_foreach_passes": 20 / 7,
+    },
+}
+
+
+def lever_factor(device: Device, key: str) -> float:
+    """A speed lever's factor on ``device`` (:data:`LEVER_FACTORS`)."""
+    return LEVER_FACTORS.get(device.family, {}).get(key, LEVER_FACTORS["default"][key])
 
 
 @dataclass(frozen=True)
@@ -43,10 +79,8 @@ def step_seconds(plan: Plan, micro: StepMeasurement, shard: StepMeasurement, sta
     """Modelled seconds of one optimizer step of ``plan``: ``micro`` is its forward/backward measurement
     (FLOPs, ops), ``shard`` the full step of its sharding (collective bytes over ``shard_counts``
     micro-steps), ``state`` its per-rank model state."""
-    rate = device.dtype_tflops(plan.precision) or device.dtype_tflops("fp32")
     k = plan.accumulative_counts
-    compute = k * (micro.flops / (rate * 1e12 * device.efficiency) + 2 * micro.written / (device.mem_bw * 1e9)
-                   + micro.ops * device.launch_us * 1e-6)
+    compute = k * micro_step_seconds(plan, micro, device)
     ring = (world_size - 1) / world_size if world_size > 1 else 0.0
     gathers = shard.comm.get("gather", 0) / max(shard_counts, 1) * k
     traffic = ring * (gathers + shard.comm.get("reduce", 0) + shard.comm.get("broadcast", 0))
@@ -55,13 +89,50 @@ def step_seconds(plan: Plan, micro: StepMeasurement, shard: StepMeasurement, sta
     comm = traffic / (device.link_bw * 1e9)
     offload = 0.0
     moved = state.params + state.grads + 2 * state.optimizer
+    # A host step runs at least the operators the device's step ran (torch's CPU default is a loop per tensor).
+    host_launches = shard.step_ops * device.launch_us * 1e-6 if device.cuda else 0.0
     if plan.offload == "params":
         passes = 2 if plan.sharding == "fsdp" else 1  # re-gathered in backward unless kept (zero2)
         offload = (k * passes * state.params + state.grads) / (device.host_bw * 1e9)
-        optimizer = moved / HOST_STEP_BYTES_PER_S
+        optimizer = moved / HOST_STEP_BYTES_PER_S + host_launches
     elif plan.offload == "optimizer":
         offload = (2 * state.params + state.grads) / (device.host_bw * 1e9)
-        optimizer = moved / HOST_STEP_BYTES_PER_S
+        optimizer = moved / HOST_STEP_BYTES_PER_S + host_launches
+    elif device.cuda:
+        optimizer = optimizer_seconds(plan, state, device, shard.step_ops)
     else:
         optimizer = moved / (device.mem_bw * 1e9)
     return max(compute, comm) + offload + optimizer
+
+
+def micro_step_seconds(plan: Plan, micro: StepMeasurement, device: Device) -> float:
+    """Modelled seconds of one forward/backward of ``plan`` (``micro``'s FLOPs, bytes written and operators)
+    with its speed levers (the module docstring)."""
+    fp32 = device.dtype_tflops("fp32")
+    if plan.precision == "fp32":
+        tf32 = device.dtype_tflops("tf32") if device.cuda else None
+        conv_rate, rate = tf32 or fp32, (tf32 if plan.tf32 else None) or fp32
+    else:
+        conv_rate = rate = device.dtype_tflops(plan.precision) or fp32
+    conv = micro.conv_flops / (conv_rate * 1e12 * device.efficiency)
+    other = (micro.flops - micro.conv_flops) / (rate * 1e12 * device.efficiency)
+    written = 2 * micro.written / (device.mem_bw * 1e9)
+    launches = micro.ops * device.launch_us * 1e-6
+    if device.cuda:
+        for lever in ("channels_last", "cudnn_benchmark"):
+            if getattr(plan, lever):
+                conv *= lever_factor(device, lever)
+        if plan.compile:
+            conv, other = conv * lever_factor(device, "compile_flops"), other * lever_factor(device, "compile_flops")
+            written *= lever_factor(device, "compile_written")
+            launches *= lever_factor(device, "compile_ops")
+    return conv + other + written + launches
+
+
+def optimizer_seconds(plan: Plan, state: ModelState, device: Device, ops: int = 0) -> float:
+    """Modelled seconds of an optimizer step of ``ops`` operators (as the fake step ran it) on a CUDA device: a
+    fused step is one pass (parameters, gradients and state read, parameters and state written), foreach
+    several; each operator launches."""
+    one_pass = (2 * state.params + state.grads + 2 * state.optimizer) / (device.mem_bw * 1e9)
+    passes = 1.0 if plan.fused_optimizer else lever_factor(device, "optimizer_foreach_passes")
+    return one_pass * passes + ops * device.launch_us * 1e-6

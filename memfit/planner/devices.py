@@ -38,8 +38,10 @@ NCCL_BUFFERS = 320 * MiB
 @dataclass(frozen=True)
 class Device:
     """A training device. ``tflops``: dense peak per dtype (fp32 without TF32, as torch's matmul
-    default); ``mem_bw``/``link_bw``/``host_bw`` in GB/s: device memory, the interconnect between
-    ranks (NVLink or PCIe), and host<->device (offload). ``launch_us``: fixed cost per operator."""
+    default; ``tf32``: TF32 tensor cores, on GPUs that have them); ``mem_bw``/``link_bw``/``host_bw`` in
+    GB/s: device memory, the interconnect between ranks (NVLink or PCIe), and host<->device (offload).
+    ``launch_us``: fixed cost per operator. ``family``: the architecture the speed levers' factors are
+    given for (:data:`memfit.planner.cost.LEVER_FACTORS`)."""
 
     name: str
     memory: int
@@ -54,36 +56,43 @@ class Device:
     launch_us: float = 20.0
     efficiency: float = 0.5  # fraction of peak FLOPs vision training reaches
     cuda: bool = True
+    family: str = ""
 
     def dtype_tflops(self, precision: str) -> float | None:
         return self.tflops.get(precision)
 
 
 def _gpu(name: str, gib: float, fp32: float, half: float, mem_bw: float, link_bw: float, host_bw: float,
-         bf16: bool = True) -> Device:
+         family: str, tf32: float | None = None, bf16: bool = True) -> Device:
     tflops = {"fp32": fp32, "fp16": half}
     if bf16:
         tflops["bf16"] = half
-    return Device(name, int(gib * GiB), tflops, mem_bw, link_bw, host_bw)
+    if tf32:
+        tflops["tf32"] = tf32
+    return Device(name, int(gib * GiB), tflops, mem_bw, link_bw, host_bw, family=family)
 
 
 # Vendor data sheets: memory, dense (no sparsity) fp32 / fp16-bf16 tensor TFLOPs with fp32 accumulation,
-# memory bandwidth, interconnect (NVLink per GPU, else PCIe), host link (PCIe).
+# memory bandwidth, interconnect (NVLink per GPU, else PCIe), host link (PCIe), and dense TF32 tensor TFLOPs
+# (half the sheets' "with sparsity" figures): NVIDIA A100 data sheet (156), H100 data sheet (SXM 494.7,
+# PCIe 378), H200 data sheet (494.7, the H100 SXM's tensor cores), L40S data sheet (183), Ada whitepaper
+# (RTX 4090: 82.6), GA102 whitepaper (RTX 3090: 35.6), A10 data sheet (62.5), L4 data sheet (60), RTX A6000
+# data sheet (77.4). Turing (T4) and Volta (V100) have no TF32.
 GPUS: dict[str, Device] = {d.name: d for d in (
-    _gpu("T4", 15.0, 8.1, 65, 320, 12, 12, bf16=False),
-    _gpu("V100-16", 16, 15.7, 125, 900, 150, 12, bf16=False),
-    _gpu("V100-32", 32, 15.7, 125, 900, 150, 12, bf16=False),
-    _gpu("3090", 24, 35.6, 71, 936, 25, 25),
-    _gpu("4090", 24, 82.6, 165, 1008, 25, 25),
-    _gpu("A10", 24, 31.2, 125, 600, 25, 25),
-    _gpu("L4", 24, 30.3, 121, 300, 25, 25),
-    _gpu("A6000", 48, 38.7, 155, 768, 25, 25),
-    _gpu("L40S", 48, 91.6, 362, 864, 25, 25),
-    _gpu("A100-40", 40, 19.5, 312, 1555, 300, 25),
-    _gpu("A100-80", 80, 19.5, 312, 2039, 300, 25),
-    _gpu("H100", 80, 67, 989, 3350, 450, 55),
-    _gpu("H100-PCIe", 80, 51, 756, 2000, 64, 55),
-    _gpu("H200", 141, 67, 989, 4800, 450, 55),
+    _gpu("T4", 15.0, 8.1, 65, 320, 12, 12, "turing", bf16=False),
+    _gpu("V100-16", 16, 15.7, 125, 900, 150, 12, "volta", bf16=False),
+    _gpu("V100-32", 32, 15.7, 125, 900, 150, 12, "volta", bf16=False),
+    _gpu("3090", 24, 35.6, 71, 936, 25, 25, "ampere", tf32=35.6),
+    _gpu("4090", 24, 82.6, 165, 1008, 25, 25, "ada", tf32=82.6),
+    _gpu("A10", 24, 31.2, 125, 600, 25, 25, "ampere", tf32=62.5),
+    _gpu("L4", 24, 30.3, 121, 300, 25, 25, "ada", tf32=60),
+    _gpu("A6000", 48, 38.7, 155, 768, 25, 25, "ampere", tf32=77.4),
+    _gpu("L40S", 48, 91.6, 362, 864, 25, 25, "ada", tf32=183),
+    _gpu("A100-40", 40, 19.5, 312, 1555, 300, 25, "ampere", tf32=156),
+    _gpu("A100-80", 80, 19.5, 312, 2039, 300, 25, "ampere", tf32=156),
+    _gpu("H100", 80, 67, 989, 3350, 450, 55, "hopper", tf32=495),
+    _gpu("H100-PCIe", 80, 51, 756, 2000, 64, 55, "hopper", tf32=378),
+    _gpu("H200", 141, 67, 989, 4800, 450, 55, "hopper", tf32=495),
 )}
 
 
@@ -146,7 +155,7 @@ def this_cpu(seconds: float = 0.05) -> Device:
     tflops = {"fp32": rate(None), "bf16": rate(torch.bfloat16), "fp16": rate(torch.float16)}
     # Ranks on one CPU talk through gloo over loopback (~1 GB/s); "offload" to the host is a copy.
     return Device(f"cpu ({torch.backends.cpu.get_cpu_capability()})", _host_memory(), tflops, mem_bw=20,
-                  link_bw=1, host_bw=20, launch_us=launch_us, efficiency=1.0, cuda=False)
+                  link_bw=1, host_bw=20, launch_us=launch_us, efficiency=1.0, cuda=False, family="cpu")
 
 
 def _host_memory() -> int:

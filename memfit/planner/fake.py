@@ -65,8 +65,8 @@ class Phase:
 @dataclass
 class StepMeasurement:
     """What one fake run measured (per rank). ``flops``: one micro-step's forward and backward,
-    recomputation included; ``written``: bytes its FLOP-less operators write; ``comm``: bytes per
-    optimizer step by kind (gather | reduce | broadcast)."""
+    recomputation included (``conv_flops`` of them in convolutions); ``written``: bytes its FLOP-less
+    operators write; ``comm``: bytes per optimizer step by kind (gather | reduce | broadcast)."""
 
     peak: int
     breakdown: dict[str, int]
@@ -83,6 +83,8 @@ class StepMeasurement:
     # A recorded forward/backward (measure_step's ``record``), from which checkpointing choices are composed.
     timeline: Any = None
     host_peak: int = 0  # host memory an offloaded optimizer held (not in ``peak``)
+    conv_flops: int = 0
+    step_ops: int = 0  # operators of one optimizer step (foreach: a few per list; fused: one per list)
 
 
 @contextlib.contextmanager
@@ -119,11 +121,13 @@ class _OpCounter:
 
         self.registry = flop_registry
         self.flops = 0
+        self.conv_flops = 0  # of ``flops``: convolutions forward and backward (channels_last, cuDNN's benchmark)
         self.ops = 0
         self.written = 0  # bytes written by operators without a FLOP formula: memory-bound elementwise work
         self.comm = {"gather": 0, "reduce": 0, "broadcast": 0}
         self.counting = True
         self.in_step = 0  # the optimizer's step is costed apart (cost.py): its ops are not the model's
+        self.step_ops = 0
         self._handles: list[Any] = []
 
     def _step(self, delta: int) -> None:
@@ -142,11 +146,15 @@ class _OpCounter:
         if not self.counting:
             return
         if func.namespace not in ("c10d", "_c10d_functional"):
+            self.step_ops += bool(self.in_step)
             if not self.in_step:
                 self.ops += 1
                 packet = func._overloadpacket
                 if packet in self.registry:
-                    self.flops += self.registry[packet](*args, **(kwargs or {}), out_val=out)
+                    flops = self.registry[packet](*args, **(kwargs or {}), out_val=out)
+                    self.flops += flops
+                    if "conv" in packet.__name__:
+                        self.conv_flops += flops
                 elif isinstance(out, torch.Tensor) and func not in _VIEWS:
                     self.written += out.numel() * out.element_size()
             return
@@ -358,6 +366,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
     return StepMeasurement(peak=overall.peak, breakdown=overall.breakdown,
                            forward_backward=phases.fb if full else overall, optimizer=phases.opt,
                            flops=flops_per_micro, ops=counter.ops // (counts if full else 1),
+                           conv_flops=counter.conv_flops // (counts if full else 1), step_ops=counter.step_ops,
                            written=counter.written // (counts if full else 1),
                            comm=dict(counter.comm), seconds=time.perf_counter() - start,
                            cuda_allocated=allocator.peak_allocated if allocator else 0,

@@ -134,6 +134,13 @@ class Inputs:
         i = int(np.argmax(_ceil(h, self.divisor) * _ceil(w, self.divisor)))
         return int(h[i]), int(w[i])
 
+    @property
+    def fixed_size(self) -> bool:
+        """Whether every batch the pipeline makes has one size (derived or sampled as one, after the data
+        preprocessor's padding), so cuDNN's benchmark tunes its convolutions once. A given shape says nothing
+        of the others the pipeline makes: not fixed."""
+        return self.how != "given" and len(S.unique_rows(_ceil(self.sizes, self.divisor))) == 1
+
     def planned(self, batch_size: int | None = None) -> PlannedInput:
         """What a batch of ``batch_size`` (default: the configured one) is planned as."""
         b = batch_size or self.batch_size

@@ -18,6 +18,11 @@ differences are additive across the model state because the state is the same te
 a smaller micro-batch scales the difference by how the reference's batch-dependent bytes scale
 (exact for models whose activations are linear in the batch). fp16 and bf16 hold the same bytes.
 The recommended plan is then run whole (1) and replaced by its measurement before it is trusted.
+
+Every enumerated plan has the speed levers the target and the model allow (:mod:`memfit.planner.levers`):
+channels_last and a fused optimizer run in the fake steps (a plan's sharding and activation steps are run with
+its levers); TF32, cuDNN's benchmark and compile are left out of them and priced by the time model. Compiled
+twins of the plans are listed only when asked for (``compile``), each with its eager plan's memory.
 """
 
 from __future__ import annotations
@@ -26,13 +31,14 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 from memfit.errors import ConfigError
 from memfit.planner.devices import Device
 from memfit.planner.fake import Phase, StepMeasurement, build_meta_model
 from memfit.planner.inputs import Inputs
+from memfit.planner.levers import allowed_levers, compiled_twins
 from memfit.planner.recompute import CachedTensorMutated, compose
 from memfit.planner.results import PlanResult, Prediction, plan_result
 from memfit.planner.runs import Runs, StepFailed
@@ -43,10 +49,13 @@ _COMPOSED = ("none", "stages", "blocks", "every2", "selective")  # checkpointing
 
 
 def predict(cfg: dict, *, device: Device, world_size: int = 1, budget: int | None = None, as_is: bool = False,
-            progress: bool = False, verify: bool = True, inputs: Inputs | None = None) -> Prediction:
+            progress: bool = False, verify: bool = True, inputs: Inputs | None = None, compile: bool = False,
+            also: Sequence[Plan] = ()) -> Prediction:
     """Predict the plans of ``cfg`` at ``world_size`` ranks on ``device`` (see the module docstring).
 
-    ``as_is``: only the configured plan. ``budget`` (bytes per rank, default the device's memory)
+    ``as_is``: only the configured plan. ``compile``: list compiled twins of the plans too (also when the
+    config compiles); their memory is their eager plan's. ``also``: plans to predict besides the enumerated
+    ones (``memfit bench --plans``). ``budget`` (bytes per rank, default the device's memory)
     decides ``fits`` and the recommendation: the fastest plan within ``budget`` less 5%, verified by a
     whole fake step when ``verify``. Every step runs on the largest batch the train pipeline can make
     (``inputs``, default :class:`~memfit.planner.inputs.Inputs` of ``cfg``).
@@ -61,7 +70,7 @@ def predict(cfg: dict, *, device: Device, world_size: int = 1, budget: int | Non
     try:
         with warnings.catch_warnings():  # FSDP's view-output and autocast notes, once per fake step
             warnings.simplefilter("ignore", UserWarning)
-            return _predict(cfg, device, world_size, budget, as_is, progress, verify, start, inputs)
+            return _predict(cfg, device, world_size, budget, as_is, progress, verify, start, inputs, compile, also)
     finally:
         log.setLevel(level)
 
@@ -90,17 +99,21 @@ def on_target(cfg: dict, device: Device) -> dict:
 
 
 def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: bool, progress: bool, verify: bool,
-             start: float, inputs: Inputs | None) -> Prediction:
+             start: float, inputs: Inputs | None, compile: bool, also: Sequence[Plan]) -> Prediction:
     cfg = on_target(cfg, device)
     meta = build_meta_model(cfg["model"])
     facts = ModelFacts.of(meta)
     configured = configured_plan(cfg, facts, device.cuda)
+    inputs = inputs or Inputs(cfg)
+    levers = allowed_levers(cfg, facts, device, inputs.fixed_size, compile or configured.compile)
     precisions = tuple(p for p in PRECISIONS if device.dtype_tflops(p))
-    plans = [] if as_is else [p for p in enumerate_plans(configured, facts, world_size, precisions, device.cuda)
-                              if p != configured]
+    plans = [] if as_is else enumerate_plans(configured, facts, world_size, precisions, device.cuda, levers)
+    plans = list(dict.fromkeys([*plans, *(replace(p, configured=False) for p in also)]))
+    if levers.compile:
+        plans += compiled_twins(plans)
+    plans = [p for p in dict.fromkeys(plans) if p != configured]
     ref = Plan("fp32", "none", "none", "none", False, configured.micro_batch, configured.accumulative_counts)
     micro = sorted({p.micro_batch for p in plans} - {configured.micro_batch})
-    inputs = inputs or Inputs(cfg)
     with Runs(cfg, facts, meta, world_size, progress, device.cuda, inputs) as runs:
         compose = _Composer(runs, ref, device, world_size, micro)
         runs.collecting = True  # first pass: which fake steps the composition needs; then run them all at once
@@ -143,7 +156,8 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
                  f"{', ...' if len(ps) > 3 else ''}): {why}" for why, ps in failed.items()]
         return Prediction(device, world_size, budget, [results[i] for i in order],
                           index.get(recommended) if recommended is not None else None, time.perf_counter() - start,
-                          notes=notes, fake_steps=len(runs.cache), input=inputs.planned(configured.micro_batch))
+                          notes=notes, fake_steps=len(runs.cache), input=inputs.planned(configured.micro_batch),
+                          levers=levers)
 
 
 def _half(plan: Plan) -> str:
@@ -182,41 +196,48 @@ class _Composer:
         self.record = tuple(sorted({*runs.facts.blocks, *(n for names in self.regions.values() for n in names)}))
         self.composed: dict[tuple, StepMeasurement | StepFailed] = {}
 
+    def _ref(self, plan: Plan) -> Plan:
+        """The reference plan with ``plan``'s levers that its fake steps run (channels_last lays activations out
+        differently; a fused optimizer steps with other temporaries); the others change no tensor."""
+        return replace(self.ref, channels_last=plan.channels_last, fused_optimizer=plan.fused_optimizer)
+
     def _composes(self, choice: str) -> bool:
         return self.recorded and (choice in _COMPOSED or choice.startswith("first"))
 
     def _act(self, plan: Plan, mb: int) -> StepMeasurement:
         """The single-process forward/backward of ``plan``'s activation choices at micro-batch ``mb``."""
-        ref, choice = self.ref, plan.activation_checkpointing
+        ref, choice = self._ref(plan), plan.activation_checkpointing
         composes = self._composes(choice)
         act = replace(ref, precision=plan.precision if plan.precision != "fp16" else "bf16",
                       activation_checkpointing="none" if composes else choice,
                       efficient_conv_bn_eval=plan.efficient_conv_bn_eval, micro_batch=mb,
                       accumulative_counts=max(ref.micro_batch * ref.accumulative_counts // mb, 1))
         if not composes:
-            return self.runs.run(("act", _half(plan), choice, plan.efficient_conv_bn_eval, mb), act, full=False,
-                                 single=True)
-        recorded = self.runs.run(("record", _half(plan), plan.efficient_conv_bn_eval, mb), act, full=False,
-                                 single=True, record=self.record)
+            return self.runs.run(("act", _half(plan), choice, plan.efficient_conv_bn_eval, plan.channels_last, mb),
+                                 act, full=False, single=True)
+        recorded = self.runs.run(("record", _half(plan), plan.efficient_conv_bn_eval, plan.channels_last, mb), act,
+                                 full=False, single=True, record=self.record)
         if recorded.timeline is None:  # a placeholder, while the runs are being collected
             return recorded
-        key = (_half(plan), choice, plan.efficient_conv_bn_eval, mb)
+        key = (_half(plan), choice, plan.efficient_conv_bn_eval, plan.channels_last, mb)
         if key not in self.composed:
-            self.composed[key] = self._compose(recorded.timeline, choice)
+            self.composed[key] = self._compose(recorded, choice)
         out = self.composed[key]
         if isinstance(out, StepFailed):
             raise out
         return out
 
-    def _compose(self, timeline: Any, choice: str) -> StepMeasurement | StepFailed:
+    def _compose(self, recorded: StepMeasurement, choice: str) -> StepMeasurement | StepFailed:
         names = self.regions[choice] if choice in self.regions else \
             checkpointed_modules(self.runs.meta, self.runs.facts, choice)  # firstN: no copy of the model
         try:
-            k = compose(timeline, names, selective=choice == "selective")
+            k = compose(recorded.timeline, names, selective=choice == "selective")
         except CachedTensorMutated as exc:  # the plan cannot train: left out with the reason, as a failed run
             return StepFailed(f"RuntimeError: {exc}")
+        # Recomputation repeats the convolutions in the share the whole forward/backward has them.
+        conv = int(k.flops * recorded.conv_flops / recorded.flops) if recorded.flops else 0
         return StepMeasurement(k.peak, {}, Phase(k.peak, {}), Phase(), flops=k.flops, ops=k.ops, written=k.written,
-                               cuda_allocated=k.cuda_allocated, cuda_reserved=k.cuda_reserved)
+                               cuda_allocated=k.cuda_allocated, cuda_reserved=k.cuda_reserved, conv_flops=conv)
 
     def configured_fb(self, configured: Plan) -> StepMeasurement:
         """The configured plan's forward/backward (its compute): composed when its checkpointing is, else run."""
@@ -224,20 +245,20 @@ class _Composer:
             return self._act(configured, configured.micro_batch)
         return self.runs.run("configured-fb", configured, full=False, single=True)
 
-    def _line(self, plan: Plan, mb: int) -> tuple[int, int, int]:
-        """(forward/backward peak, FLOPs, bytes written) of ``plan``'s activation choices at micro-batch
-        ``mb``: measured at the configured micro-batch and half of it, on the line through the two."""
+    def _line(self, plan: Plan, mb: int) -> tuple[int, int, int, int]:
+        """(forward/backward peak, FLOPs, bytes written, convolution FLOPs) of ``plan``'s activation choices at
+        micro-batch ``mb``: measured at the configured micro-batch and half of it, on the line through the two."""
         act = self._act(plan, self.ref.micro_batch)
-        figures = (act.forward_backward.peak, act.flops, act.written)
+        figures = (act.forward_backward.peak, act.flops, act.written, act.conv_flops)
         if mb == self.ref.micro_batch:
             return figures
         small = self._act(plan, self.half)
         t = (self.ref.micro_batch - mb) / (self.ref.micro_batch - self.half)  # 0 at the configured, 1 at half
-        at_half = (small.forward_backward.peak, small.flops, small.written)
+        at_half = (small.forward_backward.peak, small.flops, small.written, small.conv_flops)
         return tuple(int(a + t * (b - a)) for a, b in zip(figures, at_half))  # type: ignore[return-value]
 
     def __call__(self, plan: Plan) -> PlanResult:
-        ref = self.ref
+        ref = self._ref(plan)
         accumulates = plan.accumulative_counts > 1 and ref.accumulative_counts == 1
         anchors = [(ref.micro_batch, ref.accumulative_counts)]
         if accumulates and plan.sharding in ("zero2", "fsdp"):
@@ -245,15 +266,15 @@ class _Composer:
             # measured on steps that accumulate, at half the micro-batch (where activations make the peak)
             # and at the smallest (where the final reduce-scatter's buffers do); the larger composition wins.
             anchors = [(mb, 2) for mb in sorted({self.half, self.smallest}, reverse=True)]
-        peak, flops, written = self._line(plan, plan.micro_batch)
-        micro = replace(self._act(plan, ref.micro_batch), flops=flops, written=written)
+        peak, flops, written, conv = self._line(plan, plan.micro_batch)
+        micro = replace(self._act(plan, ref.micro_batch), flops=flops, written=written, conv_flops=conv)
         # The allocator's slack grows with the activations: a smaller micro-batch takes the smaller run's.
         allocator_run = self._act(plan, self.half) if self.half and plan.micro_batch <= self.half else micro
         results = []
         for mb, k in anchors:
             # Optimizer offload is its sharding's step with the optimizer's memory on the host (plan_result).
             offload = "none" if plan.offload == "optimizer" else plan.offload
-            shard = self.runs.run(("shard", plan.sharding, offload, mb, k),
+            shard = self.runs.run(("shard", plan.sharding, offload, plan.channels_last, plan.fused_optimizer, mb, k),
                                   replace(ref, sharding=plan.sharding, offload=offload, micro_batch=mb,
                                           accumulative_counts=k), full=True, steps=1)
             fb_grads = 0

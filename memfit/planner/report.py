@@ -19,8 +19,12 @@ def size(n: float) -> str:
     return f"{n / GB:.2f} GB" if n >= GB else f"{n / 2**20:.1f} MB"
 
 
+EAGER_MARK = " (eager)"  # a compiled plan's peak: its eager plan's
+
+
 def plan_table(pred: Prediction, limit: int | None = None) -> str:
-    """Markdown rows sorted by predicted step time; the recommended plan marked with ``*``."""
+    """Markdown rows sorted by predicted step time; the recommended plan marked with ``*``, a compiled plan's
+    peak with ``(eager)`` (its eager plan's: see :func:`footer`)."""
     cuda = pred.device.cuda
     head = "| plan | peak | allocated | reserved | relative time | fits |" if cuda else \
         "| plan | peak | relative time | fits |"
@@ -29,8 +33,18 @@ def plan_table(pred: Prediction, limit: int | None = None) -> str:
     for i, r in enumerate(rows):
         mark = " *" if i == pred.recommended else ""
         name = f"{r.plan.name}{' (configured)' if r.plan.configured else ''}{mark}"
-        mem = f"{size(r.peak_bytes)} | {size(r.allocated)} | {size(r.reserved)}" if cuda else size(r.peak_bytes)
+        peak = size(r.peak_bytes) + (EAGER_MARK if r.plan.compile else "")
+        mem = f"{peak} | {size(r.allocated)} | {size(r.reserved)}" if cuda else peak
         lines.append(f"| {name} | {mem} | {r.rel_step_time:.2f} | {'yes' if r.fits else 'no'} |")
+    return "\n".join(lines)
+
+
+def footer(pred: Prediction) -> str:
+    """The speed levers the plans were given (and why the others are off), and what ``(eager)`` means."""
+    lines = [pred.levers.describe()] if pred.levers is not None else []
+    if any(r.plan.compile for r in pred.results):
+        lines.append(f"{EAGER_MARK.strip()}: a compiled plan's memory is its eager plan's (torch.compile's graphs "
+                     "are not predicted; docs/planner.md)")
     return "\n".join(lines)
 
 

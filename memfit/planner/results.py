@@ -12,6 +12,7 @@ from memfit.planner.cost import ModelState, step_seconds
 from memfit.planner.devices import Device
 from memfit.planner.fake import StepMeasurement
 from memfit.planner.inputs import PlannedInput
+from memfit.planner.levers import Levers, memory_source
 from memfit.planner.space import Plan
 
 
@@ -20,7 +21,8 @@ class PlanResult:
     """A plan's prediction. ``peak_bytes``: what must fit on one rank's device (CUDA: reserved +
     CUDA context + NCCL buffers; CPU: live tensor bytes); ``allocated``/``reserved``: the caching
     allocator's figures (equal to the peak on CPU); ``source``: 'measured' (a whole fake step of this
-    plan) or 'composed' (see :mod:`memfit.planner.predict`)."""
+    plan) or 'composed' (see :mod:`memfit.planner.predict`); a compiled plan's memory figures are its eager
+    plan's (:func:`memfit.planner.levers.memory_source`)."""
 
     plan: Plan
     peak_bytes: int
@@ -44,16 +46,19 @@ class Prediction:
     notes: list[str] = field(default_factory=list)
     fake_steps: int = 0  # distinct fake steps run
     input: PlannedInput | None = None  # the configured micro-batch's input, as planned
+    levers: Levers | None = None  # the speed levers the plans were given
 
     def to_json(self) -> dict[str, Any]:
-        """The ``--json`` document (exactly these keys; ``recommended`` indexes ``plans``)."""
+        """The ``--json`` document (exactly these keys; ``recommended`` indexes ``plans``; each plan's
+        ``memory``: 'fake step', or "eager plan's" for a compiled plan)."""
         return {
             "device": self.device.name,
             "world_size": self.world_size,
             "budget_bytes": self.budget,
             "input": self.input.as_dict() if self.input else None,
             "plans": [{"name": r.plan.name, **r.plan.as_dict(), "peak_bytes": r.peak_bytes,
-                       "breakdown": r.breakdown, "rel_step_time": round(r.rel_step_time, 4), "fits": r.fits}
+                       "breakdown": r.breakdown, "rel_step_time": round(r.rel_step_time, 4), "fits": r.fits,
+                       "memory": memory_source(r.plan)}
                       for r in self.results],
             "recommended": self.recommended,
         }

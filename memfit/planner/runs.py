@@ -22,6 +22,7 @@ import torch
 from memfit.errors import ConfigError, first_line
 from memfit.planner.fake import Phase, StepMeasurement, fake_process_group, measure_step, measured_optim_wrapper
 from memfit.planner.inputs import Inputs
+from memfit.planner.levers import fake_step_cfg
 from memfit.planner.pool import Job, Pool
 from memfit.planner.space import ModelFacts, Plan, technique_cfg
 
@@ -81,9 +82,10 @@ def workers() -> int:
 def _canonical(cfg: dict, full: bool, steps: int, record: tuple[str, ...] | None = None) -> str:
     """What a fake step of ``cfg`` runs, as a string: two configs that differ only in how they say the same
     thing (fp16 for bf16, which the fake step measures alike; FSDP's defaults written out or not; the
-    technique switches at the top level or under ``cfg``; accumulation a forward/backward run overrides;
-    FSDP's CPU offload, a no-op on CPU tensors) run the same step, once. Unsure cases stay apart (live
-    objects compare by identity)."""
+    technique switches at the top level or under ``cfg``; accumulation a forward/backward run overrides; how
+    the optimizer steps (``foreach``, ``fused``) in a forward/backward run, which takes no step; FSDP's CPU
+    offload, a no-op on CPU tensors) run the same step, once. Unsure cases stay apart (live objects compare by
+    identity)."""
     from memfit.config.schema import TECHNIQUE_KEYS
 
     c = copy.copy(cfg)
@@ -94,6 +96,9 @@ def _canonical(cfg: dict, full: bool, steps: int, record: tuple[str, ...] | None
     ow = measured_optim_wrapper(c.get("optim_wrapper"), full)
     if isinstance(ow, dict):
         c["optim_wrapper"] = {"accumulative_counts": 1, **ow}
+        if not full and isinstance(ow.get("optimizer"), dict):
+            opt = ow["optimizer"]
+            c["optim_wrapper"]["optimizer"] = {k: v for k, v in opt.items() if k not in ("foreach", "fused")}
     strategy = c["strategy"] = c.get("strategy")  # no strategy key is None: the runner's default either way
     if _fsdp(c):
         # On CPU (fake) tensors FSDP's CPU offload moves nothing: the step holds what the same step without it
@@ -147,7 +152,7 @@ class Runs:
         self.forked = "fork" in multiprocessing.get_all_start_methods()
 
     def _cfg(self, plan: Plan, single: bool) -> dict:
-        cfg = plan.apply(self.cfg, self.facts)
+        cfg = fake_step_cfg(plan.apply(self.cfg, self.facts))
         if single:
             cfg["strategy"] = dict(type="SingleDeviceStrategy")
         return cfg

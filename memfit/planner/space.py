@@ -1,9 +1,11 @@
 """The plan space: one :class:`Plan` per combination of precision, activation checkpointing, sharding,
-offload, Conv-BN folding and micro-batch, read from a config and written back into one.
+offload, Conv-BN folding and micro-batch, with the speed levers it trains with (:mod:`memfit.planner.levers`),
+read from a config and written back into one.
 
 A plan names each axis with a short word; :meth:`Plan.apply` turns it into the config keys memfit
 already runs (``optim_wrapper.type/dtype``, ``activation_checkpointing``, ``strategy``,
-``efficient_conv_bn_eval``, ``train_dataloader.batch_size``, ``optim_wrapper.accumulative_counts``),
+``efficient_conv_bn_eval``, ``train_dataloader.batch_size``, ``optim_wrapper.accumulative_counts``; the levers'
+``compile``, ``channels_last``, ``optim_wrapper.optimizer.fused``, ``tf32``, ``env_cfg.cudnn_benchmark``),
 so a plan the planner recommends is a config the runner trains. What the model offers (its repeated
 blocks, their stages, BatchNorm that is frozen) decides which checkpointing and Conv-BN choices exist.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -20,21 +22,30 @@ from memfit.errors import ConfigError
 from memfit.model.blocks import CONTAINERS as _CONTAINERS  # noqa: F401 (importable here as before)
 from memfit.model.blocks import find_blocks as _blocks
 
+if TYPE_CHECKING:
+    from memfit.planner.levers import Levers
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 SHARDINGS = ("none", "zero1", "zero2", "fsdp")
 OFFLOADS = ("none", "params", "optimizer")
 _AC_ORDER = ("none", "stages", "every2", "selective", "blocks")  # roughly: least recompute first
+# The speed levers: a plan's field -> its word in the plan's name (in this order, before mbBxK).
+LEVER_WORDS = {"compile": "compile", "channels_last": "channels_last", "fused_optimizer": "fused", "tf32": "tf32",
+               "cudnn_benchmark": "cudnn_benchmark"}
 
 
 @dataclass(frozen=True)
 class ModelFacts:
     """What the plan space needs to know about a model: its repeated blocks (FSDP's units and the
-    checkpointing granularity), the stages holding them, and whether any BatchNorm is frozen."""
+    checkpointing granularity), the stages holding them, whether any BatchNorm is frozen, and whether it
+    has 2-D convolutions beyond a patch embedding (channels_last and cuDNN's benchmark speed those up; a
+    ViT's one patchifying convolution, stride equal to its kernel, is a matmul in all but name)."""
 
     block_types: tuple[str, ...]
     blocks: tuple[str, ...]
     stages: tuple[str, ...]
     frozen_bn: bool
+    convs: bool = False
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelFacts:
@@ -47,7 +58,12 @@ class ModelFacts:
             parents[parent] = parents.get(parent, 0) + 1
         stages = tuple(p for p, c in parents.items() if p and c > 1)
         frozen = any(_is_frozen_bn(m) for m in model.modules())
-        return cls(types, tuple(blocks), stages if len(stages) > 1 else (), frozen)
+        convs = any(isinstance(m, nn.Conv2d) and not _patchifies(m) for m in model.modules())
+        return cls(types, tuple(blocks), stages if len(stages) > 1 else (), frozen, convs)
+
+
+def _patchifies(conv: nn.Conv2d) -> bool:
+    return tuple(conv.kernel_size) == tuple(conv.stride) and max(conv.kernel_size) > 1
 
 
 def _is_frozen_bn(m: nn.Module) -> bool:
@@ -93,7 +109,9 @@ class Plan:
     selective | firstN (the first N blocks); ``sharding``: none (DDP) | zero1 | zero2 (FSDP keeping
     gathered parameters until backward, SHARD_GRAD_OP) | fsdp (ZeRO-3); ``offload``: none | params
     (FSDP's CPU offload of parameters, gradients and optimizer state) | optimizer (the optimizer's state
-    and step on the host, ``cfg.optimizer_offload``); ``configured``: the config's own plan, applied as it is."""
+    and step on the host, ``cfg.optimizer_offload``); the speed levers (:data:`LEVER_WORDS`): ``compile``
+    (regional torch.compile), ``channels_last``, ``fused_optimizer``, ``tf32`` (matmuls and convolutions),
+    ``cudnn_benchmark``; ``configured``: the config's own plan, applied as it is."""
 
     precision: str = "fp32"
     activation_checkpointing: str = "none"
@@ -102,6 +120,11 @@ class Plan:
     efficient_conv_bn_eval: bool = False
     micro_batch: int = 1
     accumulative_counts: int = 1
+    compile: bool = False
+    channels_last: bool = False
+    fused_optimizer: bool = False
+    tf32: bool = False
+    cudnn_benchmark: bool = False
     configured: bool = field(default=False, compare=False)
 
     @property
@@ -115,6 +138,7 @@ class Plan:
             parts.append(f"offload:{self.offload}")
         if self.efficient_conv_bn_eval:
             parts.append("conv-bn")
+        parts += [word for key, word in LEVER_WORDS.items() if getattr(self, key)]
         parts.append(f"mb{self.micro_batch}x{self.accumulative_counts}")
         return " ".join(parts)
 
@@ -132,7 +156,8 @@ class Plan:
                 ow.update(_precision_keys(self.precision))
             return cfg
         techniques = dict(cfg.pop("cfg", None) or {})
-        for key in ("activation_checkpointing", "efficient_conv_bn_eval", "model_wrapper_cfg", "optimizer_offload"):
+        for key in ("activation_checkpointing", "efficient_conv_bn_eval", "model_wrapper_cfg", "optimizer_offload",
+                    "channels_last", "tf32"):
             techniques.pop(key, None)
             cfg.pop(key, None)
         spec = ac_spec(self.activation_checkpointing, facts)
@@ -142,7 +167,11 @@ class Plan:
             techniques["efficient_conv_bn_eval"] = [""]
         if self.offload == "optimizer":
             techniques["optimizer_offload"] = True
+        for key in ("channels_last", "tf32"):
+            if getattr(self, key):
+                techniques[key] = True
         cfg["cfg"] = techniques
+        self._apply_levers(cfg)
         cfg["strategy"] = _strategy(self, cfg.get("strategy"))
         ow = dict(cfg.get("optim_wrapper") or {})
         for key in ("dtype", "loss_scale"):
@@ -154,6 +183,26 @@ class Plan:
         loader["batch_size"] = self.micro_batch
         cfg["train_dataloader"] = loader
         return cfg
+
+    def _apply_levers(self, cfg: dict) -> None:
+        """The levers outside ``cfg=dict(...)``: top-level ``compile`` (the config's own compile options kept),
+        ``env_cfg.cudnn_benchmark`` (other env_cfg keys kept), the optimizer's ``fused`` (``foreach`` removed)."""
+        if not self.compile:
+            cfg.pop("compile", None)
+        elif not cfg.get("compile"):
+            cfg["compile"] = True
+        env = {k: v for k, v in (cfg.get("env_cfg") or {}).items() if k != "cudnn_benchmark"}
+        if self.cudnn_benchmark:
+            env["cudnn_benchmark"] = True
+        if env or "env_cfg" in cfg:
+            cfg["env_cfg"] = env
+        ow = cfg.get("optim_wrapper")
+        if isinstance(ow, dict) and isinstance(ow.get("optimizer"), dict):
+            opt = {k: v for k, v in ow["optimizer"].items() if k != "fused" and not (self.fused_optimizer
+                                                                                   and k == "foreach")}
+            if self.fused_optimizer:
+                opt["fused"] = True
+            cfg["optim_wrapper"] = {**ow, "optimizer": opt}
 
 
 def _precision_keys(precision: str) -> dict[str, str]:
@@ -198,7 +247,7 @@ def configured_plan(cfg: dict, facts: ModelFacts, cuda: bool = True) -> Plan:
             precision = "bf16"
         elif "float16" in dtype or (not dtype and cuda):
             precision = "fp16"
-    techniques = technique_cfg(cfg)
+    techniques = {**technique_cfg(cfg), **{k: cfg[k] for k in ("channels_last", "tf32") if k in cfg}}
     ac = techniques.get("activation_checkpointing")
     strategy = cfg.get("strategy")
     kind = strategy.get("type") if isinstance(strategy, dict) else strategy
@@ -210,11 +259,15 @@ def configured_plan(cfg: dict, facts: ModelFacts, cuda: bool = True) -> Plan:
         sharding = "zero1"
     if techniques.get("optimizer_offload"):
         offload = "optimizer"
+    opt = ow.get("optimizer") if isinstance(ow, dict) else None
+    env = cfg.get("env_cfg") if isinstance(cfg.get("env_cfg"), dict) else {}
     return Plan(precision=precision, activation_checkpointing=_ac_name(ac, facts), sharding=sharding, offload=offload,
                 efficient_conv_bn_eval=bool(techniques.get("efficient_conv_bn_eval")),
                 micro_batch=int(cfg["train_dataloader"]["batch_size"]),
                 accumulative_counts=int(ow.get("accumulative_counts", 1)) if isinstance(ow, dict) else 1,
-                configured=True)
+                compile=bool(cfg.get("compile")), channels_last=bool(techniques.get("channels_last")),
+                fused_optimizer=isinstance(opt, dict) and bool(opt.get("fused")), tf32=techniques.get("tf32") is True,
+                cudnn_benchmark=bool(env.get("cudnn_benchmark")), configured=True)
 
 
 def _ac_name(spec: Any, facts: ModelFacts) -> str:
@@ -227,11 +280,12 @@ def _ac_name(spec: Any, facts: ModelFacts) -> str:
 
 
 def enumerate_plans(configured: Plan, facts: ModelFacts, world_size: int, precisions: tuple[str, ...] = PRECISIONS,
-                    host_offload: bool = True) -> list[Plan]:
+                    host_offload: bool = True, levers: Levers | None = None) -> list[Plan]:
     """Every plan worth predicting for a model trained at ``world_size`` ranks, keeping the global
-    batch of ``configured`` (micro-batch x accumulation). Pruned: checkpointing choices the model
-    cannot express (no stages), Conv-BN folding without frozen BatchNorm, sharding at one rank
-    (FSDP there only as the carrier of CPU offload), parameter offload without FSDP, optimizer offload
+    batch of ``configured`` (micro-batch x accumulation), each with the speed levers ``levers`` gives it
+    (none by default; levers cost no memory, so they are not an axis of their own). Pruned: checkpointing
+    choices the model cannot express (no stages), Conv-BN folding without frozen BatchNorm, sharding at one
+    rank (FSDP there only as the carrier of CPU offload), parameter offload without FSDP, optimizer offload
     under ZeRO-1 (which builds its own optimizer) and where the target is the host (``host_offload``
     False: a CPU run holds both memories in one)."""
     per_rank = configured.micro_batch * configured.accumulative_counts
@@ -246,7 +300,7 @@ def enumerate_plans(configured: Plan, facts: ModelFacts, world_size: int, precis
         shardings += [(s, "optimizer") for s in SHARDINGS if s != "zero1" and (world_size > 1 or s == "none")]
     plans = [Plan(p, a, s, o, c, b, per_rank // b)
              for p in precisions for a in acs for s, o in shardings for c in conv_bn for b in micro]
-    return plans
+    return [levers.on(p) for p in plans] if levers is not None else plans
 
 
 def _halvings(b: int) -> list[int]:

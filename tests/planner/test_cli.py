@@ -16,7 +16,8 @@ from memfit.cli import main
 
 TOP_KEYS = {"device", "world_size", "budget_bytes", "input", "plans", "recommended"}
 PLAN_KEYS = {"name", "precision", "activation_checkpointing", "sharding", "offload", "efficient_conv_bn_eval",
-             "micro_batch", "accumulative_counts", "peak_bytes", "breakdown", "rel_step_time", "fits"}
+             "micro_batch", "accumulative_counts", "compile", "channels_last", "fused_optimizer", "tf32",
+             "cudnn_benchmark", "peak_bytes", "breakdown", "rel_step_time", "fits", "memory"}
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -54,6 +55,9 @@ def test_plan_prints_the_table_and_the_recommendation(planned):
                         r"peak [0-9.]+ MB, [0-9.]+x the configured step time", summary), summary
     assert f"wrote {d / 'chart.png'}" in out and f"wrote {d / 'plan.json'}" in out
     assert "planned for input 1x3x32x32 (derived)" in lines  # what every row was planned for
+    assert ("speed levers: none; off: compile (its memory is not predicted: ask with --compile), channels_last "
+            "(CUDA only), fused (CUDA only), tf32 (CUDA only), cudnn_benchmark (CUDA only)") in lines
+    assert "(eager)" not in out  # no compiled plans unless asked for
 
 
 def test_plan_json_has_exactly_the_documented_keys(planned):
@@ -65,6 +69,8 @@ def test_plan_json_has_exactly_the_documented_keys(planned):
     for plan in doc["plans"]:
         assert set(plan) == PLAN_KEYS, plan["name"]
         assert plan["peak_bytes"] == sum(plan["breakdown"].values())  # CPU: live tensor bytes, nothing added
+        levers = ("compile", "channels_last", "fused_optimizer", "tf32", "cudnn_benchmark")
+        assert plan["memory"] == "fake step" and not any(plan[k] for k in levers)  # a CPU target: none
     assert isinstance(doc["recommended"], int) and 0 <= doc["recommended"] < len(doc["plans"])
     assert sum(p["rel_step_time"] == 1.0 for p in doc["plans"]) >= 1  # the configured plan is the unit
     assert [p["rel_step_time"] for p in doc["plans"]] == sorted(p["rel_step_time"] for p in doc["plans"])
@@ -102,6 +108,23 @@ def test_plan_for_8_h100s_adds_the_cuda_figures(tiny_config, tmp_path):
         assert b["cuda_context"] > 0 and b["nccl"] > 0 and b["workspace"] > 0 and b["allocator_slack"] > 0
         assert plan["peak_bytes"] == sum(b.values())  # the tensors plus what CUDA holds beside them
     assert "recommended (8 x H100, budget 40.00 GB per rank): " in out
+
+
+def test_plan_compile_lists_compiled_twins_with_their_eager_memory(tiny_config, tmp_path, planned):
+    code, out, err = run("plan", str(tiny_config(tmp_path)), "--device", "cpu", "--compile", "--all", "--json",
+                         str(tmp_path / "p.json"))
+    assert code == 0, err
+    plans = json.loads((tmp_path / "p.json").read_text())["plans"]
+    eager = {p["name"]: p for p in planned[1]["plans"]}
+    twins = [p for p in plans if p["compile"]]
+    assert len(twins) == len(eager)  # one per plan (the configured plan's is the enumerated one's)
+    for twin in twins:
+        assert twin["memory"] == "eager plan's"
+        assert twin["name"].replace(" compile", "") in eager
+    rows = [line for line in out.splitlines() if line.startswith("| ") and " compile " in line]
+    assert len(rows) == len(twins) and all(re.search(r"\| [0-9.]+ [MG]B \(eager\) \|", r) for r in rows), rows[:2]
+    assert "(eager): a compiled plan's memory is its eager plan's (torch.compile's graphs are not predicted; " \
+        "docs/planner.md)" in out
 
 
 @pytest.mark.parametrize("flag,value,message", [

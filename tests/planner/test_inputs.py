@@ -59,6 +59,7 @@ def test_plans_for_the_largest_batch_a_random_choice_resize_makes(coco):
     inputs = Inputs(_cfg(coco))
     two, one = inputs.planned(), inputs.planned(1)
     assert (two.shape, two.boxes_per_image, two.how) == ((2, 3, 224, 224), 3, "derived")
+    assert not inputs.fixed_size  # two sizes: cuDNN's benchmark would tune each (memfit.planner.levers)
     assert one.shape in ((1, 3, 160, 224), (1, 3, 224, 160)) and one.boxes_per_image == 3
     batch = inputs.batch()
     assert [tuple(img.shape) for img in batch["inputs"]] == [(3, 200, 200)] * 2
