@@ -64,9 +64,9 @@ def test_channels_last_is_exact_and_reaches_the_forward():
     want, got = _step(plain), _step(converted)
     torch.testing.assert_close(got[0], want[0], **TOL)
     for name in want[1]:
-        torch.testing.assert_close(got[1][name], want[1][name], **TOL, msg=name)
+        torch.testing.assert_close(got[1][name], want[1][name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
     for name in want[2]:  # BatchNorm running statistics
-        torch.testing.assert_close(got[2][name], want[2][name], **TOL, msg=name)
+        torch.testing.assert_close(got[2][name], want[2][name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
     assert seen == [True]  # the batch the preprocessor made reaches the first convolution in NHWC
     for conv in (converted.body[0], converted.body[3]):
         assert conv.weight.is_contiguous(memory_format=CL) and conv.weight.grad.is_contiguous(memory_format=CL)

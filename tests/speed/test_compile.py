@@ -74,7 +74,7 @@ def _assert_same(a: tuple, b: tuple) -> None:
     for got, want in zip(a[1:], b[1:]):
         assert got.keys() == want.keys()
         for name in want:
-            torch.testing.assert_close(got[name], want[name], **TOL, msg=name)
+            torch.testing.assert_close(got[name], want[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_regional_inductor_compile_is_exact_with_and_without_checkpointing():

@@ -56,7 +56,7 @@ def test_fused_trains_the_weights_of_the_default_step(name):
     host = getattr(wrapper.optimizer, "host_optimizer", wrapper.optimizer)
     assert host.defaults["fused"] is True  # offloaded: the host optimizer is the fused one
     for (n, a), b in zip(ref.named_parameters(), got.parameters()):
-        torch.testing.assert_close(b, a, **TOL, msg=n)
+        torch.testing.assert_close(b, a, **TOL, msg=lambda m, n=n: f"{n}: {m}")
     if "overflow_at" in options:
         assert int(wrapper.skipped_steps) == int(ref_wrapper.skipped_steps) >= 1  # the same steps skipped
 
