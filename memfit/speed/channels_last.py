@@ -2,9 +2,8 @@
 Cores under autocast) use; in NCHW cuDNN transposes around each convolution.
 
 ``channels_last=True`` (a top-level technique key, or in ``cfg=dict(...)``) converts the model's 4-D
-parameters and buffers in place (``model.to(memory_format=torch.channels_last)``; other tensors are
-untouched) and makes every 4-D floating-point tensor of the batch channels_last (nested in dicts, lists
-and tuples): a forward hook on the model's ``data_preprocessor`` converts its output, so the NCHW batch
+parameters and buffers in place (other tensors are untouched) and makes every 4-D floating-point tensor
+of the batch channels_last (nested in dicts, lists and tuples): a forward hook on the model's ``data_preprocessor`` converts its output, so the NCHW batch
 it made on the device is freed at once; a model without one gets a forward pre-hook converting its
 inputs. A convolution with a channels_last weight returns channels_last output, so the layout then
 carries through the network. The values are the same to rounding (another summation order in the
@@ -46,6 +45,16 @@ def _output_to_channels_last(module: nn.Module, args: tuple, output: Any) -> Any
     return to_channels_last(output)
 
 
+def _weights_to_channels_last(model: nn.Module) -> None:
+    """Every 4-D parameter and buffer channels_last, in place. Not ``model.to(memory_format=...)``: that
+    swaps the tensors, which fake ones (the planner's step) refuse; replacing ``.data`` keeps each
+    Parameter object, so an optimizer or hook holding it still does."""
+    with torch.no_grad():
+        for t in (*model.parameters(), *model.buffers()):
+            if t.dim() == 4 and not t.is_contiguous(memory_format=torch.channels_last):
+                t.data = t.data.contiguous(memory_format=torch.channels_last)
+
+
 def apply_channels_last(model: nn.Module, weights: bool = True) -> bool:
     """Convert ``model``'s 4-D parameters and buffers to channels_last and its forward's 4-D floating
     inputs too (module docstring). ``weights=False`` (a strategy that shards contiguous parameters only,
@@ -56,7 +65,7 @@ def apply_channels_last(model: nn.Module, weights: bool = True) -> bool:
         logger.info(f"channels_last: {type(model).__name__} has no 2-D convolutions; left as it is")
         return False
     if weights:
-        model.to(memory_format=torch.channels_last)
+        _weights_to_channels_last(model)
     preprocessor = getattr(model, "data_preprocessor", None)
     if isinstance(preprocessor, nn.Module):  # its batch is converted as it is made: the NCHW one is not kept
         preprocessor.register_forward_hook(_output_to_channels_last)

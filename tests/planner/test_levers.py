@@ -191,9 +191,6 @@ def test_every_plan_has_its_levers_and_each_of_them_in_json(on_h100):
                for r in on_h100.results if not r.plan.configured), "the levers an H100 allows an AdamW conv net"
 
 
-@pytest.mark.xfail(strict=True, reason="memfit/speed/channels_last.py converts the weights with model.to("
-                   "memory_format=...), which cannot swap fake parameters (each FakeTensor holds a weakref); "
-                   "param.data = param.data.contiguous(memory_format=torch.channels_last) can")
 def test_channels_last_plans_run_in_the_fake_step(on_h100):
     assert not on_h100.notes
     assert any(r.plan.channels_last for r in on_h100.results)
