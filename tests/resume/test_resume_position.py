@@ -24,7 +24,8 @@ class BatchRecorder(Hook):
 # A per-iteration schedule with accumulation steps the LR after micro-steps that did not step the
 # optimizer (MMEngine's behaviour too).
 # ahead: the loop takes each batch one step early as on CUDA (memfit.data.prefetch), here on the CPU.
-@pytest.mark.parametrize("by_epoch, sampler, ahead", [(True, "DefaultSampler", False), (False, "InfiniteSampler", False),
+@pytest.mark.parametrize("by_epoch, sampler, ahead", [(True, "DefaultSampler", False),
+                                                      (False, "InfiniteSampler", False),
                                                       (True, "DefaultSampler", True), (False, "InfiniteSampler", True)])
 def test_resume_mid_epoch_inside_accumulation_window(tmp_path, kit, by_epoch, sampler, ahead, monkeypatch):
     import functools
