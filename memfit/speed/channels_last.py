@@ -2,12 +2,12 @@
 Cores under autocast) use; in NCHW cuDNN transposes around each convolution.
 
 ``channels_last=True`` (a top-level technique key, or in ``cfg=dict(...)``) converts the model's 4-D
-parameters and buffers in place (other tensors are untouched) and makes every 4-D floating-point tensor
-of the batch channels_last (nested in dicts, lists and tuples): a forward hook on the model's
-``data_preprocessor`` converts its output, so the NCHW batch it made on the device is freed at once; a
-model without one gets a forward pre-hook converting its inputs. A convolution with a channels_last weight returns channels_last output, so the layout then
-carries through the network. The values are the same to rounding (another summation order in the
-kernels) and the same bytes are held: only the strides differ.
+parameters and buffers in place (other tensors are untouched) and makes every 4-D floating-point tensor of
+the batch channels_last (nested in dicts, lists and tuples): a forward hook on the model's
+``data_preprocessor`` converts its output, so the NCHW batch it made on the device is freed at once; a model
+without one gets a forward pre-hook converting its inputs. A convolution with a channels_last weight returns
+channels_last output, so the layout then carries through the network. The values are the same to rounding
+(another summation order in the kernels) and the same bytes are held: only the strides differ.
 """
 
 from __future__ import annotations
