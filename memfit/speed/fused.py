@@ -10,8 +10,8 @@ the argument (``Lars``/``Larc`` and the other timm optimizers), parameters on a 
 kernels for, and ``fused=True`` with ``foreach=True``. It composes with AmpOptimWrapper's fp16
 GradScaler (torch's scaler hands a fused optimizer the scale and the inf flag, and the step skips
 itself on overflow), with ``cfg.optimizer_offload`` (the host optimizer is the fused one; torch's fused
-kernels run on the CPU), with ZeRO-1 (its shard's optimizer is built fused) and with FSDP2 (the kernels
-step the DTensor shards).
+kernels run on the CPU), with ZeRO-1 (its shard's optimizer is built fused) and with FSDP2 for Adam and AdamW (the kernels
+step the DTensor shards; torch has no sharding rule for fused SGD or Adagrad, refused in one line).
 """
 
 from __future__ import annotations
@@ -32,6 +32,17 @@ def fused_devices() -> list[str]:
     from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
     return list(_get_fused_kernels_supported_devices())
+
+
+# The fused kernels DTensor (FSDP2's sharded parameters) has sharding rules for (torch 2.11 and 2.14: fused
+# SGD and Adagrad fail at the first step with "does not have a sharding strategy").
+_SHARDED = ("Adam", "AdamW")
+
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def _params(params: Iterable[Any]) -> list[torch.Tensor]:
@@ -63,6 +74,9 @@ def check_fused(cfg: dict, optimizer_class: Any, params: Iterable[Any], host: bo
     if cfg.get("differentiable"):
         raise ConfigError(f"{KEY}=True and optim_wrapper.optimizer.differentiable=True: the fused kernels are not "
                           "differentiable; remove one of them")
+    if name not in _SHARDED and any(_is_dtensor(p) for p in _params(params)):
+        raise ConfigError(f"{KEY}=True: FSDP's sharded parameters have fused kernels for {' and '.join(_SHARDED)} "
+                          f"only (torch has no sharding rule for fused {name}); remove fused or use AdamW")
     supported = fused_devices()
     devices = {"cpu"} if host else {p.device.type for p in _params(params)}
     unsupported = sorted(devices - set(supported))

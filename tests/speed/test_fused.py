@@ -79,3 +79,18 @@ def test_fused_on_a_device_without_fused_kernels_is_one_line(monkeypatch):
     with pytest.raises(ConfigError, match=r"^optim_wrapper\.optimizer\.fused=True: torch has no fused AdamW kernels "
                                           r"on cpu \(it has them on cuda, xpu\); remove fused$"):
         setup(_net(), SingleDeviceStrategy(), dict(optimizer=dict(ADAMW, fused=True)))
+
+
+def test_fused_sgd_on_sharded_parameters_is_one_line():
+    from torch.distributed.tensor import DTensor
+
+    from memfit.speed.fused import check_fused
+
+    class Sharded(DTensor):  # stands for FSDP2's parameters; only its type is read
+        def __new__(cls):
+            return torch.Tensor._make_subclass(cls, torch.zeros(1))
+
+    with pytest.raises(ConfigError, match=r"^optim_wrapper\.optimizer\.fused=True: FSDP's sharded parameters have "
+                                          r"fused kernels for Adam and AdamW only .*; remove fused or use AdamW$"):
+        check_fused({"fused": True}, torch.optim.SGD, [Sharded()])
+    check_fused({"fused": True}, torch.optim.AdamW, [torch.zeros(1)])  # plain tensors on the CPU: fine
