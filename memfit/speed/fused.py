@@ -10,8 +10,9 @@ the argument (``Lars``/``Larc`` and the other timm optimizers), parameters on a 
 kernels for, and ``fused=True`` with ``foreach=True``. It composes with AmpOptimWrapper's fp16
 GradScaler (torch's scaler hands a fused optimizer the scale and the inf flag, and the step skips
 itself on overflow), with ``cfg.optimizer_offload`` (the host optimizer is the fused one; torch's fused
-kernels run on the CPU), with ZeRO-1 (its shard's optimizer is built fused) and with FSDP2 for Adam and AdamW (the kernels
-step the DTensor shards; torch has no sharding rule for fused SGD or Adagrad, refused in one line).
+kernels run on the CPU), with ZeRO-1 (its shard's optimizer is built fused) and with FSDP2 for Adam and
+AdamW (the kernels step the DTensor shards; torch has no sharding rule for fused SGD or Adagrad, refused
+in one line).
 """
 
 from __future__ import annotations
