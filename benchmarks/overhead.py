@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/overhead.py               # dim 512, depth 2, batch 64: 20 rounds x 10 steps
     .venv/bin/python benchmarks/overhead.py --rounds 5    # quicker, wider spread
+    .venv/bin/python benchmarks/overhead.py --trivial     # a step that costs ~nothing: the Runner's own work, by item
 
 Target: memfit's ``train_step`` within 2% of the plain loop.
 
@@ -31,6 +32,12 @@ the same data for the same number of steps, so the models must end with the same
 largest difference is printed as a check.
 
 Prints a Markdown table, writes ``benchmarks/results/overhead.csv`` and ``overhead.png``.
+
+``--trivial``: one ``Linear(8, 8)`` on 8 rows (the step costs almost nothing, so what is left is the
+framework's own work). The same interleaved run gives the Runner's and the plain loop's host time per
+iteration (target: the Runner within 5% of the plain loop); a second, instrumented run names the difference
+item by item (benchmarks/overhead_items.py): each hook, data loading, the sampler, the train step's pieces.
+Prints both tables and writes ``overhead_items.csv`` (not the CSV and PNG above).
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ from pathlib import Path
 
 import torch
 from models import Block
+from overhead_items import Instrument, item_rows, print_items, write_items
+from timing import QUIET_HOOKS, Timers, synchronizer
 from torch import nn
 
 from memfit import dist
@@ -59,10 +68,12 @@ OPTIM = dict(optimizer=dict(type="AdamW", lr=1e-3))
 
 
 class Net(BaseModel):
+    """``depth`` residual blocks of width ``d``; depth 0: one ``Linear(d, d)``."""
+
     def __init__(self, d: int, depth: int) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = nn.Sequential(*[Block(d) for _ in range(depth)])
+        self.blocks = nn.Sequential(*[Block(d) for _ in range(depth)]) if depth else nn.Linear(d, d)
 
     def forward(self, x: torch.Tensor, mode: str = "tensor"):
         out = self.blocks(x)
@@ -87,8 +98,8 @@ class Interleave(Hook):
 
     priority = "LOWEST"
 
-    def __init__(self, steps: dict, warmup: int, block: int, rounds: int, sync) -> None:
-        self.steps, self.warmup, self.block, self.sync = steps, warmup, block, sync
+    def __init__(self, steps: dict, warmup: int, block: int, rounds: int, sync, timers: Timers | None = None) -> None:
+        self.steps, self.warmup, self.block, self.sync, self.timers = steps, warmup, block, sync, timers
         self.times = {p: [[] for _ in range(rounds)] for p in PATHS}
         self.t0: float | None = None
 
@@ -105,22 +116,41 @@ class Interleave(Hook):
                 step()
                 self.sync()
                 self.times[name][r].append(time.perf_counter() - t)
+        if self.timers is not None:  # the Runner's items count from the first timed iteration on
+            self.timers.on = runner.iter + 1 >= self.warmup
         self.t0 = time.perf_counter()
 
 
-def run(dim: int, depth: int, batch: int, rounds: int, block: int, warmup: int) -> tuple[dict, float, str]:
+def run(dim: int, depth: int, batch: int, rounds: int, block: int, warmup: int,
+        items: tuple[Timers, Timers] | None = None) -> tuple[dict, float, str]:
+    """Interleaved steps of the three paths (module docstring). ``items``: (Runner, plain) timers to fill
+    with each part's time (the instrumented run of ``--trivial``)."""
     torch.set_num_threads(1)
     device = dist.default_device()  # the Runner's and SingleDeviceStrategy's choice
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = synchronizer(device)
     x = torch.randn(batch, dim, generator=torch.Generator().manual_seed(0)).to(device)
     plain = Net(dim, depth).to(device)
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    parts = items[1] if items else None
 
     def plain_step() -> None:
+        if parts is None:
+            loss = plain(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return
+        t0 = time.perf_counter()
         loss = plain(x).pow(2).mean()
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         opt.step()
+        t3 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
+        t4 = time.perf_counter()
+        for key, seconds in (("forward", t1 - t0), ("backward", t2 - t1), ("step", t3 - t2), ("zero_grad", t4 - t3)):
+            parts.add(key, seconds)
 
     strategy = SingleDeviceStrategy()
     strategy.setup_env()
@@ -134,15 +164,19 @@ def run(dim: int, depth: int, batch: int, rounds: int, block: int, warmup: int) 
         plain_step()
         memfit_step()
     iters = warmup + rounds * block
-    hook = Interleave({"plain": plain_step, "memfit train_step": memfit_step}, warmup, block, rounds, sync)
+    hook = Interleave({"plain": plain_step, "memfit train_step": memfit_step}, warmup, block, rounds, sync,
+                      items[0] if items else None)
+    hooks: list = [hook]
+    if items:
+        parts.on = True  # the hook runs plain steps in timed iterations only
+        hooks.append(Instrument(items[0], skip=(hook,)))
     with tempfile.TemporaryDirectory() as work_dir:
         runner = Runner(
             model=Net(dim, depth), work_dir=work_dir, optim_wrapper=OPTIM, randomness=dict(seed=0),
             train_dataloader=dict(batch_size=batch, dataset=Rows(x.cpu(), batch * iters),
                                   sampler=dict(type="DefaultSampler", shuffle=False)),
             train_cfg=dict(by_epoch=False, max_iters=iters), log_level="WARNING",
-            default_hooks=dict(checkpoint=None, logger=dict(interval=10**9, progress_bar=False)),
-            custom_hooks=[hook])
+            default_hooks=QUIET_HOOKS, custom_hooks=hooks)
         runner.train()
     diff = max((p - q).abs().max().item() for other in (model, runner.model)
                for p, q in zip(plain.parameters(), other.parameters()))
@@ -180,16 +214,56 @@ def chart(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def loader_us(x: torch.Tensor, batch: int, n: int) -> float:
+    """Mean microseconds of ``next`` on a torch DataLoader over ``x``'s rows (no workers), for scale."""
+    it = iter(torch.utils.data.DataLoader(Rows(x.cpu(), batch * n), batch_size=batch))
+    start = time.perf_counter()
+    for _ in range(n):
+        next(it)
+    return 1e6 * (time.perf_counter() - start) / n
+
+
+def trivial(args: argparse.Namespace) -> None:
+    """``--trivial``: the Runner's host time per iteration against the plain loop's, then item by item."""
+    times, _, _ = run(args.dim, args.depth, args.batch, args.rounds, args.block, args.warmup)
+    flat = {name: [s for t in times[name] for s in t] for name in PATHS}
+    headline = {"runner_us": 1e6 * statistics.median(flat["memfit Runner"]),
+                "plain_us": 1e6 * statistics.median(flat["plain"])}
+    timers, parts = Timers(), Timers()
+    times, _, where = run(args.dim, args.depth, args.batch, args.rounds, args.block, args.warmup, (timers, parts))
+    iters = args.rounds * args.block
+    mean = {name: 1e6 * statistics.fmean(s for t in times[name] for s in t) for name in PATHS}
+    rows = item_rows(timers, parts, iters, mean["memfit Runner"], mean["plain"])
+    print(f"Linear({args.dim}, {args.dim}) x {args.depth or 1}, batch {args.batch}, AdamW, {where}, "
+          f"{args.rounds} rounds x {args.block} steps; medians per iteration (uninstrumented run)")
+    print("\n| path | median us/iter |\n|---|---|")
+    for name in PATHS:
+        print(f"| {name} | {1e6 * statistics.median(flat[name]):.1f} |")
+    print_items(rows, headline, loader_us(torch.zeros(args.batch, args.dim), args.batch, iters))
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_items(rows, headline, args.out / "overhead_items.csv")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--trivial", action="store_true", help="Linear(8, 8) on 8 rows: the Runner's own work, "
+                        "item by item (defaults below become dim 8, depth 0, batch 8, 20 x 100 steps, warm-up 50)")
+    parser.add_argument("--dim", type=int, default=None, help="width (default 512)")
+    parser.add_argument("--depth", type=int, default=None, help="residual blocks (default 2; 0: one Linear)")
+    parser.add_argument("--batch", type=int, default=None, help="rows per batch (default 64)")
     parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds")
-    parser.add_argument("--block", type=int, default=10, help="steps per path in a round")
-    parser.add_argument("--warmup", type=int, default=10, help="discarded steps per path")
+    parser.add_argument("--block", type=int, default=None, help="steps per path in a round (default 10)")
+    parser.add_argument("--warmup", type=int, default=None, help="discarded steps per path (default 10)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the CSV and PNG files")
     args = parser.parse_args(argv)
+    defaults = dict(dim=8, depth=0, batch=8, block=100, warmup=50) if args.trivial else \
+        dict(dim=512, depth=2, batch=64, block=10, warmup=10)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.trivial:
+        trivial(args)
+        return
     times, diff, where = run(args.dim, args.depth, args.batch, args.rounds, args.block, args.warmup)
     rows = summarize(times)
     title = (f"MLP dim {args.dim} x {args.depth} blocks, batch {args.batch}, AdamW, {where}, "
