@@ -13,7 +13,6 @@ import functools
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
