@@ -43,7 +43,8 @@ def main() -> int:
     from memfit.data.prefetch import prefetch
 
     device, flags = torch.device("cpu" if args.smoke else "cuda"), backend_flags()
-    results: dict = {"device": "cpu" if args.smoke else torch.cuda.get_device_name(), "torch": torch.__version__, "cases": {}}
+    name = "cpu" if args.smoke else torch.cuda.get_device_name()
+    results: dict = {"device": name, "torch": torch.__version__, "cases": {}}
     args.out.mkdir(parents=True, exist_ok=True)
     for key in ("resnet50", "vit_b16"):
         model = (SMOKE_MODELS if args.smoke else MODELS)[key]
