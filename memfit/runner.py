@@ -321,6 +321,7 @@ class Runner(RunnerCheckpoints):
     # -- entry points --------------------------------------------------------------------------
     def train(self) -> nn.Module:
         """Train as configured (resuming or loading weights first); returns the model."""
+        from memfit.data.loader import close_workers
         from memfit.loops import TrainLoop
         from memfit.optim.scheduler import build_param_schedulers
 
@@ -353,6 +354,7 @@ class Runner(RunnerCheckpoints):
                 self.strategy.finalize_checkpoints(abort=not finished)
             finally:
                 self.call_hook("after_run")
+                close_workers(self.train_dataloader, self.val_dataloader)
         return self.model
 
     def val(self) -> dict:

@@ -137,6 +137,17 @@ def default_num_workers(device: torch.device | str | None, world_size: int = 1) 
     return max(0, min(8, cores // max(local, 1) - 1))
 
 
+def close_workers(*loaders: Any) -> None:
+    """Stop the persistent workers of ``loaders`` now. Left to the garbage collector (a Runner holds
+    reference cycles), a loader's queues can be closed before its iterator, and each worker then waits
+    out torch's 5 s timeout before it exits. The next iteration over a loader starts new workers."""
+    for loader in loaders:
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+            loader._iterator = None
+
+
 def _check_not_empty(dataset: Any, sampler: Any, batch_size: int, drop_last: bool, key: str) -> None:
     """An empty dataset, or fewer samples on this rank than one batch with ``drop_last=True``, would
     give a loader with no batches: say so here, where the sizes are known, not at the first epoch."""

@@ -133,3 +133,36 @@ def test_pseudo_collate_is_mmengines_one_level_transpose():
     assert pseudo_collate([a, b])[1] is b
     with pytest.raises(ValueError, match="same length"):
         pseudo_collate([(1, 2), (3,)])
+
+
+def test_training_stops_its_persistent_workers_when_it_ends(tmp_path):
+    import torch.nn.functional as F
+    from torch import nn
+
+    from memfit.hooks import Hook
+    from memfit.model import BaseModel
+    from memfit.runner import Runner
+
+    class Net(BaseModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x, y, mode="tensor"):
+            return {"loss": F.cross_entropy(self.fc(x), y)}
+
+    data = [(torch.randn(4), torch.tensor(i % 2)) for i in range(8)]
+    runner = Runner(model=Net(), work_dir=str(tmp_path), train_cfg=dict(by_epoch=True, max_epochs=2),
+                    train_dataloader=dict(batch_size=4, dataset=data, num_workers=1, persistent_workers=True),
+                    optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.1)), default_hooks=dict(checkpoint=None))
+    seen = []
+
+    class Watch(Hook):
+        def after_train_epoch(self, runner) -> None:
+            seen.append(runner.train_dataloader._iterator)
+
+    runner.register_hook(Watch())
+    runner.train()
+    # Both epochs ran on the same persistent worker, stopped when training ended, not by the garbage collector.
+    assert seen[0] is not None and seen[0] is seen[1]
+    assert runner.train_dataloader._iterator is None and not seen[0]._workers_status[0]
