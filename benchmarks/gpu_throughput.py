@@ -18,7 +18,9 @@ Paths:
   TimmClassifier, AmpOptimWrapper bf16, iteration-based, no checkpoints, no log lines);
 * ``memfit planned``: the same config with the plan ``memfit.planner.predict`` recommends for this GPU at
   a budget of the plain loop's ``max_memory_reserved`` plus the CUDA context the planner counts (its plans'
-  peaks include it), applied with ``Plan.apply`` (compiled plans only with ``--compile``);
+  peaks include it), divided by 1 - the planner's 5% margin (so the plain loop's own plan is allowed; the
+  planned path's measured peak checks the prediction), applied with ``Plan.apply`` (compiled plans only
+  with ``--compile``);
 * ``+lever``: the Runner config with one lever switched on, against the ``memfit Runner`` path: for
   ResNet-50 channels_last, cudnn_benchmark, a fused AdamW; for ViT-B the fused AdamW; in fp32, ``tf32=True``
   (and for ResNet-50 ``tf32=False``) against torch's defaults; last, ViT-B with regional ``compile=True``
@@ -64,6 +66,7 @@ from throughput_planner import finish_prediction, start_prediction  # noqa: E402
 from throughput_report import report  # noqa: E402
 from timing import QUIET_HOOKS  # noqa: E402
 
+from memfit.planner.predict import AUTO_FIT_MARGIN  # noqa: E402
 from memfit.precision.base import cpu_has_native_bf16  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -266,7 +269,10 @@ def run_case(case: Case, args: argparse.Namespace, plans: dict, flags0: tuple) -
 
                 # --smoke: plans this CPU runs (an H100's levers would not), every plan for the first model only
                 target = devices.current_cuda() if cuda else devices.this_cpu()
-                budget = ledger.reserved.get("plain", 0) + devices.CUDA_CONTEXT if cuda else target.memory
+                # All of the plain loop's memory: the planner keeps AUTO_FIT_MARGIN of a budget free for its
+                # prediction's error, so the budget is scaled up by it; the planned path's measured peak checks it.
+                plain = ledger.reserved.get("plain", 0) + devices.CUDA_CONTEXT
+                budget = int(plain / (1 - AUTO_FIT_MARGIN)) if cuda else target.memory
                 proc = start_prediction(base_cfg, target, budget, args.compile, args.smoke and bool(plans), tmp.name)
                 log(f"{case.name}: planning for {target.name} at {budget / 2**30:.2f} GiB (in a child process)")
             if not case.interleave and paths and paths[-1][1] is path:  # its rounds now, then it goes
