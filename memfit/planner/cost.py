@@ -36,25 +36,33 @@ from memfit.planner.space import Plan
 HOST_STEP_BYTES_PER_S = 20e9  # an optimizer step on the host CPU (either offload) touches state at ~20 GB/s
 
 # The speed levers' factors by device family (Device.family); a family without a row takes "default"'s.
-# provisional: replaced by the H100 measurement (benchmarks/gpu_throughput.py, torch 2.11).
+# Checked against benchmarks/gpu_throughput.py on one H100 (torch 2.11, 2026-11-26; raw numbers in
+# benchmarks/gpu_throughput_h100.json), ResNet-50 160 px batch 128 and ViT-B/16 224 px batch 64. Its bf16
+# lever paths vary +-10% from block to block (four 15-step blocks each), so they bound these factors rather
+# than fit them; the fp32 TF32 pairs are steady (within 0.6%).
 LEVER_FACTORS: dict[str, dict[str, float]] = {
     "default": {
         # x the convolutions' seconds: cuDNN's fast convolution kernels are NHWC; NCHW inputs are transposed
-        # around them (provisional)
+        # around them (3.9 of ResNet-50's 33.6 ms of kernels a step, benchmarks/runner_gap_h100.json). Predicted
+        # 1.016x for ResNet-50 bf16; measured 1.028x (median of 4 blocks, against the plain loop).
         "channels_last": 0.8,
-        # x the convolutions' seconds: the fastest algorithm, tuned once per input size, over the heuristic's
-        # choice (provisional)
+        # x the convolutions' seconds: the fastest algorithm, tuned once per input size. Predicted 1.008x for
+        # ResNet-50 bf16; measured 1.012x against the plain loop.
         "cudnn_benchmark": 0.9,
-        # x the FLOPs' seconds: matmuls and convolutions stay cuBLAS's and cuDNN's (provisional)
+        # compile: not measured yet (the benchmark's compile case did not fit its time budget), so a compiled
+        # plan is priced as its eager plan: x FLOP seconds, x bytes memory-bound operators write, x launches.
         "compile_flops": 1.0,
-        # x the bytes memory-bound operators write: elementwise chains fused into one kernel (provisional)
-        "compile_written": 0.5,
-        # x the operators launched: one kernel per fused region, no Python dispatch per operator (provisional)
-        "compile_ops": 0.3,
+        "compile_written": 1.0,
+        "compile_ops": 1.0,
+        # x the data sheet's TF32 rate for matmuls with tf32=True: fitted to ViT-B/16 fp32 (measured 2.854x
+        # with tf32; predicted 3.29x at the data sheet's rate). ResNet-50 fp32: predicted 1.001x, measured 1.011x
+        # (its convolutions already run in TF32, cuDNN's default).
+        "tf32_matmul_rate": 0.70,
         # foreach's optimizer traffic over fused's one pass: AdamW's _multi_tensor_adamw reads and writes ~20
         # parameter-sized tensors per step (weight decay, lerp, mul, addcmul, sqrt, div, add, addcdiv), the fused
         # kernel 7 (reads parameters, gradients, both moments; writes parameters and moments), counted in
-        # torch/optim/adamw.py (provisional)
+        # torch/optim/adamw.py. Predicted 1.013x for ResNet-50 bf16 and 1.028x for ViT-B; measured 1.060x
+        # against the plain loop (ResNet-50) and within the blocks' spread (ViT-B).
         "optimizer_foreach_passes": 20 / 7,
     },
 }
@@ -111,7 +119,8 @@ def micro_step_seconds(plan: Plan, micro: StepMeasurement, device: Device) -> fl
     fp32 = device.dtype_tflops("fp32")
     if plan.precision == "fp32":
         tf32 = device.dtype_tflops("tf32") if device.cuda else None
-        conv_rate, rate = tf32 or fp32, (tf32 if plan.tf32 else None) or fp32
+        matmul_tf32 = tf32 * lever_factor(device, "tf32_matmul_rate") if tf32 and plan.tf32 else None
+        conv_rate, rate = tf32 or fp32, matmul_tf32 or fp32
     else:
         conv_rate = rate = device.dtype_tflops(plan.precision) or fp32
     conv = micro.conv_flops / (conv_rate * 1e12 * device.efficiency)

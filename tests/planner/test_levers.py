@@ -17,7 +17,7 @@ from memfit.planner.commands import parse_plan
 from memfit.planner.cost import ModelState, lever_factor, micro_step_seconds, optimizer_seconds
 from memfit.planner.devices import gpu, this_cpu
 from memfit.planner.fake import Phase, StepMeasurement, build_meta_model, fake_process_group, measure_step
-from memfit.planner.levers import EAGER_MEMORY, allowed_levers, fake_step_cfg
+from memfit.planner.levers import BENCHMARK_OFF, EAGER_MEMORY, allowed_levers, fake_step_cfg
 from memfit.planner.predict import on_target, predict
 from memfit.planner.results import plan_result
 from memfit.planner.space import LEVER_WORDS, ModelFacts, Plan, configured_plan, enumerate_plans
@@ -123,6 +123,10 @@ def test_the_fake_step_runs_without_the_process_wide_switches():
 
 def test_levers_follow_the_target_and_the_model(conv_facts):
     cfg = _conv_cfg()
+    # cuDNN's benchmark only when the config asks for it: its workspaces' memory is not predicted.
+    assert dict(allowed_levers(cfg, conv_facts, gpu("H100"), fixed_size=True).off) == {
+        "compile": "its memory is not predicted: ask with --compile", "cudnn_benchmark": BENCHMARK_OFF}
+    cfg = {**cfg, "env_cfg": dict(cudnn_benchmark=True)}
     h100 = allowed_levers(cfg, conv_facts, gpu("H100"), fixed_size=True)
     assert (h100.channels_last, h100.fused_optimizer, h100.tf32, h100.cudnn_benchmark, h100.compile) == \
         (True, True, True, True, False)
@@ -166,7 +170,8 @@ def test_tf32_and_the_conv_levers_in_the_time_model():
     fp32 = Plan("fp32")
     eff = h100.efficiency
     assert micro_step_seconds(fp32, matmul, h100) == pytest.approx(1 / (67 * eff))
-    assert micro_step_seconds(replace(fp32, tf32=True), matmul, h100) == pytest.approx(1 / (495 * eff))
+    tf32_rate = 495 * lever_factor(h100, "tf32_matmul_rate")  # the data sheet's, as fitted on an H100
+    assert micro_step_seconds(replace(fp32, tf32=True), matmul, h100) == pytest.approx(1 / (tf32_rate * eff))
     assert micro_step_seconds(replace(fp32, tf32=True), matmul, t4) == pytest.approx(1 / (8.1 * t4.efficiency))
     # cuDNN runs fp32 convolutions in TF32 unless told not to; channels_last and the benchmark scale them.
     assert micro_step_seconds(fp32, conv, h100) == pytest.approx(1 / (495 * eff))
@@ -215,11 +220,12 @@ def test_compiled_twins_have_their_eager_plans_memory(on_h100):
     assert twins and len(twins) == sum(not r.plan.compile and not r.plan.configured for r in on_h100.results)
     for twin in twins:
         eager = by_plan[replace(twin.plan, compile=False)]
-        if twin.source == "composed":  # the recommended twin is verified: its eager plan's whole fake step
+        if twin.source == eager.source == "composed":  # a recommended plan is verified by its whole fake step
             assert (twin.peak_bytes, twin.allocated, twin.reserved) == \
                 (eager.peak_bytes, eager.allocated, eager.reserved), twin.plan.name
-        assert twin.seconds < eager.seconds
-    assert on_h100.results[on_h100.recommended].plan.compile  # asked for, and predicted fastest
+        # compile's speed is not measured yet (cost.LEVER_FACTORS): a twin is priced as its eager plan
+        assert twin.seconds == pytest.approx(eager.seconds)
+    assert not on_h100.results[on_h100.recommended].plan.compile  # a tie goes to the plan whose memory is known
     assert "compile (twins of the plans; memory: the eager plan's)" in on_h100.levers.describe()
 
 
