@@ -23,11 +23,11 @@ from memfit.errors import ConfigError
 from memfit.planner.devices import Device
 from memfit.planner.space import LEVER_WORDS, ModelFacts, Plan
 
-EAGER_MEMORY = "eager plan's"
+EAGER_MEMORY = "eager plan's"  # a compiled plan's memory source, in the --json document and the table
 # cuDNN's benchmark tries algorithms with workspaces the allocator then keeps reserved, which the fake step
 # cannot see: +0.20 GiB reserved for ResNet-50 160 px batch 128 bf16 on an H100 (3.89 against 3.69 GiB,
 # benchmarks/gpu_throughput_h100.json) for a measured 1.012x. Plans get it only when the config asks for it.
-BENCHMARK_OFF = "its workspaces' memory is not predicted: set env_cfg.cudnn_benchmark=True to plan with it"  # a compiled plan's memory source, in the --json document and the table
+BENCHMARK_OFF = "its workspaces' memory is not predicted: set env_cfg.cudnn_benchmark=True to plan with it"
 
 
 @dataclass(frozen=True)
@@ -148,5 +148,5 @@ def memory_source(plan: Plan) -> str:
     return EAGER_MEMORY if plan.compile else "fake step"
 
 
-__all__ = ["BENCHMARK_OFF", "EAGER_MEMORY", "Levers", "allowed_levers", "compiled_twins", "fake_step_cfg", "fused_on_shards",
-           "memory_source", "takes_fused"]
+__all__ = ["BENCHMARK_OFF", "EAGER_MEMORY", "Levers", "allowed_levers", "compiled_twins", "fake_step_cfg",
+           "fused_on_shards", "memory_source", "takes_fused"]
