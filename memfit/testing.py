@@ -71,6 +71,12 @@ class RecordSteps:
         self.losses.append(float(dist.all_reduce_mean(outputs["loss"].detach().float())))
 
 
+def max_diff(a: dict, b: dict) -> float:
+    """The largest absolute difference between two results of the same keys, each a list of numbers."""
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    return max(abs(x - y) for k in a for x, y in zip(a[k], b[k]))
+
+
 def shapes_detection_batch(indices: list[int], image_size: int = 64, max_shapes: int = 3) -> dict:
     """ShapesDataset items ``indices`` as the detection train loader gives them: uint8 images, pseudo-collated,
     with MMDetection's sample fields (no resize, so ``img_shape == ori_shape`` and ``scale_factor`` is 1)."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from memfit.testing import launch, read_results
+from memfit.testing import launch, max_diff, read_results
 
 SCRIPTS = Path(__file__).parent / "scripts"
 BLOCKS = ["blocks.0", "blocks.1", "blocks.2"]
@@ -18,11 +18,6 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("speed_strategies")
     proc = launch(SCRIPTS / "strategies.py", nproc=2, out_dir=out, timeout=240)
     return read_results(out, 2, proc)
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    assert sorted(a) == sorted(b)
-    return max(abs(x - y) for k in a for x, y in zip(a[k], b[k]))
 
 
 @pytest.mark.parametrize("variant, reference, compiled, tol", [
@@ -39,4 +34,4 @@ def test_lever_trains_what_the_strategy_trains_without_it(results, variant, refe
     assert r0[variant]["params"] == r1[variant]["params"]  # gradients reduced across the ranks
     assert r0[variant]["compiled"] == compiled
     assert max(abs(a - b) for a, b in zip(r0[variant]["losses"], r0[reference]["losses"])) <= tol
-    assert _max_diff(r0[variant]["params"], r0[reference]["params"]) <= tol
+    assert max_diff(r0[variant]["params"], r0[reference]["params"]) <= tol

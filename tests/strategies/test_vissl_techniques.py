@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from memfit.testing import launch, read_results
+from memfit.testing import launch, max_diff, read_results
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -17,11 +17,6 @@ def results(tmp_path_factory):
     return read_results(out, 2, proc)
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert sorted(a) == sorted(b)
-    return max(abs(x - y) for k in a for x, y in zip(a[k], b[k]))
-
-
 @pytest.mark.parametrize("variant", ["larc_zero", "larc_ddp"])
 def test_larc_under_zero_equals_one_process(results, variant):
     """VISSL's zero + LARC (clip=False, trust_coefficient=0.001, momentum 0.9, wd 1e-6), 4 steps. Measured:
@@ -31,9 +26,9 @@ def test_larc_under_zero_equals_one_process(results, variant):
     got, ref = r0[variant], r0["ref_larc"]
     if variant == "larc_zero":
         assert got["optimizer"] == "ZeroRedundancyOptimizer(Larc)"  # ZeRO built the Larc shards itself
-    assert _max_diff(got["params"], ref["params"]) < 1e-7
+    assert max_diff(got["params"], ref["params"]) < 1e-7
     assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) < 1e-6
-    assert _max_diff(ref["params"], ref["init"]) > 1e-4  # the comparison is not between unmoved weights
+    assert max_diff(ref["params"], ref["init"]) > 1e-4  # the comparison is not between unmoved weights
     assert got["params"] == r1[variant]["params"]
 
 
@@ -48,7 +43,7 @@ def test_checkpointing_splits_under_fsdp_changes_nothing_but_memory(results):
     assert r0["fsdp"]["calls_per_step"] == [steps] * 3
     assert r0["fsdp_splits"]["losses"] == r0["fsdp"]["losses"] == r1["fsdp_splits"]["losses"]
     assert r0["fsdp_splits"]["params"] == r0["fsdp"]["params"]
-    assert _max_diff(r0["fsdp_splits"]["params"], r0["ref_sgd"]["params"]) < 1e-6
+    assert max_diff(r0["fsdp_splits"]["params"], r0["ref_sgd"]["params"]) < 1e-6
     for r in (r0, r1):
         plain, splits = r["fsdp_memory"], r["fsdp_splits_memory"]
         recomputed = 2 * 2 * plain["rows"] * plain["hidden"] * 4  # 2 blocks x (fc1, GELU) outputs, fp32
@@ -65,7 +60,7 @@ def test_apex_o2_under_ddp_and_zero(results, variant):
     got, ref = r0[variant], r0["ref_o2"]
     assert got["dtypes"] == ["torch.bfloat16"] and len(got["masters"]) == 16
     assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) < 2e-3
-    assert _max_diff(got["params"], ref["params"]) < 4e-3
+    assert max_diff(got["params"], ref["params"]) < 4e-3
     assert got["params"] == r1[variant]["params"]
     if variant == "ddp_zero_o2":
         assert got["optimizer"] == "ZeroRedundancyOptimizer(SGD)"
