@@ -15,6 +15,11 @@ class ConfigError(MemfitError, ValueError):
     """A config key or value is wrong: the message names the key and a valid alternative."""
 
 
+class ConfigTypeError(ConfigError, TypeError):
+    """A config value has the wrong type (MMEngine raises TypeError there): caught by ``except TypeError``,
+    ``except ValueError`` and ``except ConfigError`` alike."""
+
+
 class CheckpointError(MemfitError, RuntimeError):
     """A checkpoint file is missing, corrupt, unsafe or does not fit the model/config."""
 
