@@ -178,15 +178,26 @@ def _check_offload(strategy: Strategy, precision: Precision, in_backward: bool) 
                           "the other on the device inside it; use one of them")
 
 
-def _check_several_optimizers(wrapper: Any, strategy: Strategy) -> None:
+def _check_several_optimizers(optim_wrapper: Any, strategy: Strategy) -> None:
+    """Before wrapping: several optimizers need one DDP per submodule under DDPStrategy (set here)."""
+    from memfit.optim.builder import is_multi_optim_cfg
     from memfit.optim.wrapper_dict import OptimWrapperDict
+    from memfit.strategies.ddp_separate import check_several_optimizers
 
-    if isinstance(wrapper, OptimWrapperDict) and (
-            type(strategy) not in (SingleDeviceStrategy, DDPStrategy) or dist.get_world_size() > 1
-            or getattr(strategy, "zero", False)):
-        raise ConfigError(f"several optimizers (OptimWrapperDict) train in one process for now, not under "
-                          f"{type(strategy).__name__} at world size {dist.get_world_size()}: a custom train_step "
-                          "calls submodules outside the data-parallel wrapper, whose gradients would not be reduced")
+    if isinstance(optim_wrapper, OptimWrapperDict) or is_multi_optim_cfg(optim_wrapper):
+        check_several_optimizers(strategy, dist.get_world_size())
+
+
+def _check_built_several_optimizers(wrapper: Any, strategy: Strategy) -> None:
+    """After building: an OptimWrapperDict from a custom constructor came after the model was wrapped."""
+    from memfit.optim.wrapper_dict import OptimWrapperDict
+    from memfit.strategies.ddp_separate import check_several_optimizers
+
+    if isinstance(wrapper, OptimWrapperDict):
+        check_several_optimizers(strategy, dist.get_world_size())
+        if isinstance(strategy, DDPStrategy) and strategy.ddp is not None:
+            raise ConfigError("optim_wrapper.constructor built several optimizers after the model was wrapped in one "
+                              "DDP: set strategy=dict(type='DDPStrategy', separate=True) (one DDP per submodule)")
 
 
 def setup(model: nn.Module, strategy: Strategy, optim_wrapper: Any = None, techniques: dict | None = None, *,
@@ -225,12 +236,14 @@ def setup(model: nn.Module, strategy: Strategy, optim_wrapper: Any = None, techn
     precision_policy.convert_module(model)
     if compile_options is not None:
         apply_compile(model, compile_options)
+    if optim_wrapper is not None:
+        _check_several_optimizers(optim_wrapper, strategy)
     model = strategy.wrap(model)
     wrapper = None
     if optim_wrapper is not None:
         wrapper = build_optim_wrapper(model, optim_wrapper, in_backward=optimizer_in_backward,
                                       offload=optimizer_offload)
-        _check_several_optimizers(wrapper, strategy)
+        _check_built_several_optimizers(wrapper, strategy)
         wrapper.strategy = strategy
         precision_policy.prepare_optimizer(wrapper)
     strategy.setup(model, wrapper)

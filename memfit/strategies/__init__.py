@@ -41,6 +41,7 @@ _MODEL_WRAPPERS = {
     "FullyShardedDataParallel": "FSDPStrategy",
     "MMDistributedDataParallel": "DDPStrategy",
     "DistributedDataParallel": "DDPStrategy",
+    "MMSeparateDistributedDataParallel": "DDPStrategy",
 }
 
 
@@ -49,7 +50,8 @@ def strategy_from_model_wrapper(cfg: Any) -> Strategy:
 
     ``MMFullyShardedDataParallel`` (with FSDP1 arguments such as ``cpu_offload=True`` or
     ``auto_wrap_policy``) becomes :class:`FSDPStrategy`; ``MMDistributedDataParallel`` (with DDP
-    arguments) becomes :class:`DDPStrategy`.
+    arguments) becomes :class:`DDPStrategy`; ``MMSeparateDistributedDataParallel`` one DDP per submodule
+    (``DDPStrategy(separate=True)``, with MMEngine's default ``broadcast_buffers=False``).
     """
     if not isinstance(cfg, dict) or "type" not in cfg:
         raise ConfigError(f"cfg.model_wrapper_cfg={cfg!r}: use dict(type='MMFullyShardedDataParallel', ...) "
@@ -62,6 +64,8 @@ def strategy_from_model_wrapper(cfg: Any) -> Strategy:
     args = {k: v for k, v in cfg.items() if k != "type"}
     if _MODEL_WRAPPERS[kind] == "FSDPStrategy":
         return FSDPStrategy(model_wrapper=args)
+    if kind == "MMSeparateDistributedDataParallel":
+        return DDPStrategy(**{"broadcast_buffers": False, **args, "separate": True})
     return DDPStrategy(**args)
 
 

@@ -10,6 +10,10 @@ ZeRO-1 (VISSL's ``OPTIMIZER.name: zero``): ``DDPStrategy(zero=True)`` or
 ``torch.distributed.optim.ZeroRedundancyOptimizer``, so each rank keeps the optimizer state of its
 share of the parameters only. Checkpoints consolidate that state on rank 0 into one file in
 ``torch.optim``'s format, which loads at any world size, with or without ZeRO.
+
+Several optimizers (GANs): ``DDPStrategy(separate=True)``, switched on by an ``OptimWrapperDict`` or
+MMEngine's ``model_wrapper_cfg=dict(type='MMSeparateDistributedDataParallel')``, gives each submodule
+its own DDP (:mod:`memfit.strategies.ddp_separate`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from memfit import dist
 from memfit.errors import ConfigError
 from memfit.registry import STRATEGIES, check_kwargs
 from memfit.strategies.base import Strategy
+from memfit.strategies.ddp_separate import separate_no_sync, wrap_separately
 from memfit.strategies.route import route_forward
 
 
@@ -55,11 +60,13 @@ class DDPStrategy(Strategy):
 
     ``find_unused_parameters``, ``broadcast_buffers`` and ``static_graph`` are DDP's options; any
     other keyword (``bucket_cap_mb``, ``gradient_as_bucket_view``, ...) is passed to DDP as well.
-    ``device_ids`` is set only on CUDA (DDP on CPU takes none).
+    ``device_ids`` is set only on CUDA (DDP on CPU takes none). ``separate=True``: one DDP per direct
+    child with trainable parameters instead of one around the model (None: only for several optimizers).
     """
 
     def __init__(self, find_unused_parameters: bool = False, broadcast_buffers: bool = True,
-                 static_graph: bool = False, zero: bool = False, **ddp_kwargs: Any) -> None:
+                 static_graph: bool = False, zero: bool = False, separate: bool | None = None,
+                 **ddp_kwargs: Any) -> None:
         super().__init__()
         ddp_kwargs.pop("type", None)  # from model_wrapper_cfg=dict(type='MMDistributedDataParallel', ...)
         import inspect
@@ -73,7 +80,9 @@ class DDPStrategy(Strategy):
         # Checked here, where the config is read, not when the model is wrapped.
         check_kwargs(DistributedDataParallel, {"module": None, **self.ddp_kwargs}, "DDPStrategy")
         self.zero = bool(zero)
+        self.separate = separate
         self.ddp: DistributedDataParallel | None = None
+        self.separate_ddps: dict[str, DistributedDataParallel] = {}
 
     def setup_env(self, launcher: str = "none", env_cfg: dict | None = None) -> None:
         """As the base, and a one-process group when not launched, so the same config runs anywhere."""
@@ -84,6 +93,9 @@ class DDPStrategy(Strategy):
         if not any(p.requires_grad for p in model.parameters()):
             return model  # nothing to synchronise (evaluation of a frozen model); DDP would refuse it
         device_ids = [self.device] if self.device.type == "cuda" else None
+        if self.separate:
+            self.ddp, self.separate_ddps = None, wrap_separately(model, device_ids, self.ddp_kwargs)
+            return model
         self.ddp = DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)
         return route_forward(model, self.ddp, when=torch.is_grad_enabled)
 
@@ -96,11 +108,13 @@ class DDPStrategy(Strategy):
         all-reduce, so the backward that follows (outside the context) only accumulates locally."""
         if not sync and self.ddp is not None:
             return self.ddp.no_sync()
+        if not sync and self.separate_ddps:
+            return separate_no_sync(self.separate_ddps, model)
         return super().no_sync(model, sync)
 
     def optim_state_dict(self, model: nn.Module, wrapper: Any) -> dict:
         """ZeRO: every rank sends its shard to rank 0, which holds the whole state (others hold none)."""
-        optimizer = wrapper.optimizer
+        optimizer = getattr(wrapper, "optimizer", None)  # an OptimWrapperDict has none (and no ZeRO)
         if not isinstance(optimizer, ZeroRedundancyOptimizer):
             return wrapper.checkpoint_state()
         optimizer.consolidate_state_dict(to=0)

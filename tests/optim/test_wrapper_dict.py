@@ -152,7 +152,7 @@ def test_gan_runner_trains_logs_and_resumes_exactly(tmp_path):
         assert torch.equal(a, b)
 
 
-def test_several_optimizers_are_refused_under_ddp_for_now():
+def test_several_optimizers_are_refused_with_zero1():
     from memfit.connector import setup
     from memfit.strategies import DDPStrategy
 
