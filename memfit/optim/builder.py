@@ -67,7 +67,12 @@ def _build_one_wrapper(model: nn.Module, cfg: dict, paramwise_cfg: dict | None, 
     if optimizer_cfg is None:
         raise ConfigError(f"{key}.optimizer is missing: e.g. optimizer=dict(type='SGD', lr=0.01)")
     optimizer = build_optimizer(model, optimizer_cfg, paramwise_cfg, in_backward=in_backward, offload=offload)
-    return OPTIM_WRAPPERS.build(cfg, key=key, optimizer=optimizer)
+    wrapper = OPTIM_WRAPPERS.build(cfg, key=key, optimizer=optimizer)
+    if paramwise_cfg and isinstance(optimizer_cfg, dict):  # get_lr() reports MMEngine's per-parameter groups
+        from memfit.optim.param_groups import original_groups
+
+        wrapper.original_groups = original_groups(model, optimizer.param_groups)
+    return wrapper
 
 
 @OPTIM_WRAPPER_CONSTRUCTORS.register()

@@ -16,6 +16,7 @@ Frozen parameters (``requires_grad=False``) are left out. Parameters with equal 
 group (fewer groups: faster foreach optimizers) whose ``param_names`` lists their names: torch's
 own key for named parameters, kept through ``state_dict``/``load_state_dict``. A parameter shared
 by two modules (tied weights) is an error unless ``bypass_duplicate=True`` (first owner wins).
+:func:`original_groups` maps MMEngine's per-parameter groups onto the merged ones, for ``get_lr()``.
 """
 
 from __future__ import annotations
@@ -139,3 +140,23 @@ def build_param_groups(
     for key in sorted(set(custom) - used):
         logger.warning(f"paramwise_cfg.custom_keys[{key!r}] matches no trainable parameter")
     return list(groups.values())
+
+
+def original_groups(model: nn.Module, groups: list[dict[str, Any]]) -> list[int] | None:
+    """For each param group MMEngine's ``DefaultOptimWrapperConstructor`` makes under ``paramwise_cfg``
+    (one per trainable parameter, in ``named_modules()`` order, a tied one once), the index of the
+    merged group in ``groups`` that holds it; None when a group has no ``param_names`` to map by.
+
+    Parameters of one merged group share their configured options, so MMEngine's per-parameter
+    values are the merged group's: ``OptimWrapper.get_lr()`` reports them one per original group.
+    """
+    where = {name: i for i, group in enumerate(groups) for name in group.get("param_names", ())}
+    if len(where) != sum(len(group["params"]) for group in groups):
+        return None
+    index = []
+    for mname, module in model.named_modules():
+        for pname, _ in module.named_parameters(recurse=False):
+            group = where.pop(f"{mname}.{pname}" if mname else pname, None)
+            if group is not None:
+                index.append(group)
+    return index if not where else None

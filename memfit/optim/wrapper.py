@@ -57,6 +57,9 @@ class OptimWrapper:
         # optimizer's defaults, which get_lr() reports as ``base_lr``.
         self.base_param_settings: dict | None = (
             {"params": [], **optimizer.defaults} if len(optimizer.param_groups) > 1 else None)
+        # The merged group of each param group MMEngine's constructor makes (one per parameter under
+        # paramwise_cfg), in its order: get_lr()/get_momentum() report those. Set by the builder; None: as built.
+        self.original_groups: list[int] | None = None
         self.inner_count = 0  # micro-steps backpropagated in the current counting span (epoch or run)
         self.max_counts = -1  # length of that span; -1 = unbounded
         self.grad_norm: torch.Tensor | None = None
@@ -181,17 +184,26 @@ class OptimWrapper:
         return self.optimizer.defaults
 
     def get_lr(self) -> dict[str, list[float]]:
-        """``{'lr': [one per param group]}``, and ``'base_lr'`` (the scheduled default) with several groups."""
+        """``{'lr': [one per param group]}``, and ``'base_lr'`` (the scheduled default) with several groups.
+
+        Under ``paramwise_cfg`` one entry per group MMEngine's constructor makes (one per trainable
+        parameter, in ``named_modules()`` order), though memfit's optimizer merges equal ones."""
         out = {"base_lr": [self.base_param_settings["lr"]]} if self.base_param_settings is not None else {}
-        out["lr"] = [g["lr"] for g in self.optimizer.param_groups]
+        out["lr"] = self._per_original_group([g["lr"] for g in self.optimizer.param_groups])
         return out
 
     def get_momentum(self) -> dict[str, list[float]]:
-        """``{'momentum': [one per param group]}``: SGD's momentum, Adam's beta1, else 0."""
+        """``{'momentum': [one per param group]}`` (as :meth:`get_lr`): SGD's momentum, Adam's beta1, else 0."""
         out = []
         for g in self.optimizer.param_groups:
             out.append(g["momentum"] if "momentum" in g else g["betas"][0] if "betas" in g else 0.0)
-        return {"momentum": out}
+        return {"momentum": self._per_original_group(out)}
+
+    def _per_original_group(self, values: list) -> list:
+        index = self.original_groups
+        if not index or max(index) >= len(values):  # not built from paramwise_cfg, or regrouped since
+            return values
+        return [values[i] for i in index]
 
     def log_scalars(self) -> dict[str, Any]:
         """Scalars the logger shows (tensors are fine: converted when printed)."""

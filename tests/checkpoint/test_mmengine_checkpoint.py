@@ -45,16 +45,16 @@ def _dataset():
 
 
 class RecordLR(Hook):
-    """Each iteration's lr per parameter name (memfit merges MMEngine's per-parameter groups)."""
+    """Each iteration's ``get_lr()``, as make_fixture.py records MMEngine's: one lr per MMEngine group
+    (per parameter, MM_ORDER) though memfit's optimizer merges them, then ``base_lr``."""
 
     def __init__(self):
         self.lrs = []
 
     def before_train_iter(self, runner, batch_idx, data_batch=None):
-        groups = runner.optim_wrapper.optimizer.param_groups
-        names = {id(p): n for n, p in runner.model.named_parameters()}
-        by_name = {names[id(p)]: g["lr"] for g in groups for p in g["params"]}
-        self.lrs.append([by_name[n] for n in MM_ORDER] + runner.optim_wrapper.get_lr()["base_lr"])
+        assert len(runner.optim_wrapper.optimizer.param_groups) == 3  # merged: fc weights, biases, norm
+        lrs = runner.optim_wrapper.get_lr()
+        self.lrs.append(lrs["lr"] + lrs["base_lr"])
 
 
 def _runner(tmp_path, **kw):

@@ -32,7 +32,8 @@ def test_dict_of_configs_builds_one_wrapper_per_submodule():
     # MMEngine's names: '<name>.lr' (and '<name>.base_lr' for a member with several groups).
     lrs = wrappers.get_lr()
     assert lrs["generator.base_lr"] == [1e-3] and lrs["discriminator.lr"] == [0.1]
-    assert wrappers.get_momentum() == {"generator.momentum": [0.5] * len(gen.optimizer.param_groups),
+    # Under paramwise_cfg one entry per parameter (MMEngine's DefaultOptimWrapperConstructor: a group each).
+    assert wrappers.get_momentum() == {"generator.momentum": [0.5] * len(list(model.generator.parameters())),
                                        "discriminator.momentum": [0.9]}
     assert "generator" in wrappers and len(wrappers) == 2
 
