@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from memfit.errors import ConfigError, did_you_mean
-from memfit.optim.scheduler.base import INF, ParamScheduler
+from memfit.errors import ConfigError, ConfigTypeError, did_you_mean
+from memfit.optim.scheduler.base import INF, ParamScheduler, check_epoch_length
 from memfit.registry import PARAM_SCHEDULERS
 
 # torch's name -> MMEngine's scheduler doing the same, named in the refusal.
@@ -59,8 +59,9 @@ def _build_one(item: Any, optim_wrapper: Any, key: str, *, by_epoch_run: bool, m
                max_iters: int | None, epoch_length: int | None) -> Any:
     if isinstance(item, ParamScheduler):
         return item
-    if not isinstance(item, dict):
-        raise ConfigError(f"{key}: expected a dict with 'type' (or a built ParamScheduler), got {type(item).__name__}")
+    if not isinstance(item, dict):  # MMEngine: TypeError
+        raise ConfigTypeError(f"{key}: expected a dict with 'type' (or a built ParamScheduler), "
+                              f"got {type(item).__name__}")
     item = dict(item)
     kind = item.pop("type", None)
     if kind is None:
@@ -71,17 +72,32 @@ def _build_one(item: Any, optim_wrapper: Any, key: str, *, by_epoch_run: bool, m
     by_epoch = item.setdefault("by_epoch", bool(convert or getattr(cls, "need_val_args", False) or by_epoch_run))
     if convert and not by_epoch:
         raise ConfigError(f"{key}: convert_to_iter_based=True converts an epoch-based schedule: drop by_epoch=False")
+    if convert:  # MMEngine checks the epoch length before any other argument
+        try:
+            check_epoch_length(epoch_length)
+        except ConfigError as exc:
+            raise type(exc)(f"{key}.convert_to_iter_based: {exc}") from None
     total = max_epochs if by_epoch else max_iters
     begin, end = item.setdefault("begin", 0), item.setdefault("end", INF if total is None else total)
     for arg, value in (("begin", begin), ("end", end)):
-        if type(value) is not int or value < 0:
-            raise ConfigError(f"{key}.{arg}={value!r}: use an int >= 0 ({'epochs' if by_epoch else 'iterations'})")
+        unit = "epochs" if by_epoch else "iterations"
+        if type(value) is not int:
+            raise ConfigTypeError(f"{key}.{arg}={value!r}: got {type(value).__name__}: use an int >= 0 ({unit})")
+        if value < 0:
+            raise ConfigError(f"{key}.{arg}={value!r}: use an int >= 0 ({unit})")
     if end <= begin:
         raise ConfigError(f"{key}: end={end} is not after begin={begin}: the scheduler would never step")
     target = _iter_based(cls, epoch_length, key) if convert else cls
     # The registry checks the keys against the signature and turns constructor errors into
     # '<key>: <cause> (<Type>)'.
-    return PARAM_SCHEDULERS.build({"type": target, **item}, key=key, optimizer=optim_wrapper)
+    try:
+        return PARAM_SCHEDULERS.build({"type": target, **item}, key=key, optimizer=optim_wrapper)
+    except ConfigError as exc:
+        # A TypeError the constructor raised (an argument of the wrong type, as MMEngine's would raise)
+        # stays a TypeError: the same one line, as a ConfigTypeError.
+        if isinstance(exc.__cause__, TypeError) and not isinstance(exc, TypeError):
+            raise ConfigTypeError(str(exc)) from exc.__cause__
+        raise
 
 
 def scheduler_class(kind: Any, key: str) -> Any:
@@ -92,6 +108,9 @@ def scheduler_class(kind: Any, key: str) -> Any:
         instead = _TORCH_EQUIVALENT.get(torch_cls.__name__, "LinearLR, CosineAnnealingLR, MultiStepLR, ...")
         raise ConfigError(f"{key}: {torch_cls.__name__} is torch's scheduler, which ignores MMEngine's "
                           f"[begin, end): use MMEngine's ({instead}) or a ParamScheduler subclass")
+    if not (isinstance(kind, str) or callable(kind)):  # MMEngine: TypeError
+        raise ConfigTypeError(f"{key}.type={kind!r}: got {type(kind).__name__}: use a scheduler's name "
+                              "(e.g. 'LinearLR') or class")
     return PARAM_SCHEDULERS.get(kind, key) if isinstance(kind, str) else kind
 
 

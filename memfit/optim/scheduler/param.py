@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from memfit.errors import ConfigError
 from memfit.optim.scheduler.base import INF, ParamScheduler
 from memfit.registry import PARAM_SCHEDULERS
 
@@ -96,10 +97,11 @@ class CosineAnnealingParamScheduler(ParamScheduler):
     def __init__(self, optimizer: Any, param_name: str, T_max: int | None = None, eta_min: float | None = None,
                  begin: int = 0, end: int = INF, last_step: int = -1, by_epoch: bool = True, verbose: bool = False,
                  eta_min_ratio: float | None = None) -> None:
-        if eta_min is None and eta_min_ratio is None:
+        if eta_min is None and eta_min_ratio is None:  # MMEngine: neither given anneals to 0
             eta_min = 0.0
-        if not ((eta_min is None) ^ (eta_min_ratio is None)):
-            raise ValueError("either `eta_min` or `eta_min_ratio` should be specified, not both")
+        if eta_min is not None and eta_min_ratio is not None:
+            raise ConfigError(f"eta_min={eta_min!r} and eta_min_ratio={eta_min_ratio!r}: either `eta_min` or "
+                              "`eta_min_ratio` should be specified, not both: drop one")
         self.T_max, self.eta_min, self.eta_min_ratio = T_max or (end - begin), eta_min, eta_min_ratio
         super().__init__(optimizer, param_name, begin, end, last_step, by_epoch, verbose)
 
@@ -241,8 +243,9 @@ class CosineRestartParamScheduler(ParamScheduler):
     def __init__(self, optimizer: Any, param_name: str, periods: list[int], restart_weights: Any = (1,),
                  eta_min: float | None = None, eta_min_ratio: float | None = None, begin: int = 0, end: int = INF,
                  last_step: int = -1, by_epoch: bool = True, verbose: bool = False) -> None:
-        if not ((eta_min is None) ^ (eta_min_ratio is None)):
-            raise ValueError("exactly one of `eta_min` and `eta_min_ratio` should be specified")
+        if (eta_min is None) == (eta_min_ratio is None):  # MMEngine asserts exactly one (no default here)
+            raise ConfigError(f"eta_min={eta_min!r}, eta_min_ratio={eta_min_ratio!r}: exactly one of `eta_min` and "
+                              "`eta_min_ratio` should be specified: set one (e.g. eta_min=0)")
         if len(periods) != len(restart_weights):
             raise ValueError("periods and restart_weights should have the same length.")
         self.periods, self.restart_weights = list(periods), list(restart_weights)

@@ -3,13 +3,16 @@
 MMEngine's rules: ``step()`` without metrics (after every training epoch) only counts epochs;
 ``step(metrics)`` (the ParamSchedulerHook calls it after every validation) compares
 ``metrics[monitor]`` with the best so far, inside ``[begin, end)`` counted in training epochs.
-Epoch-based only.
+``by_epoch=True`` only, as in MMEngine; in an iteration-based run it is stepped the same way, with
+the metrics of every validation (``patience`` counts validations), and its epoch count stays 0 until
+the run's single epoch-end.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from memfit.errors import ConfigError
 from memfit.optim.scheduler.base import INF, ParamScheduler, check_optimizer, init_initial_values
 from memfit.registry import PARAM_SCHEDULERS
 
@@ -28,17 +31,19 @@ class ReduceOnPlateauParamScheduler(ParamScheduler):
                  end: int = INF, last_step: int = -1, by_epoch: bool = True, verbose: bool = False) -> None:
         check_optimizer(optimizer)
         if end <= begin:
-            raise ValueError(f"end should be larger than begin, but got begin={begin}, end={end}")
+            raise ConfigError(f"end should be larger than begin, but got begin={begin}, end={end}")
         if not by_epoch:
-            raise ValueError(f"{type(self).__name__} only supports by_epoch=True")
+            raise ConfigError(f"by_epoch=False: {type(self).__name__} only supports by_epoch=True (as MMEngine's); "
+                              "it is stepped with every validation's metrics in an iteration-based run too: "
+                              "drop by_epoch=False")
         if factor >= 1.0:
-            raise ValueError("Factor should be < 1.0.")
+            raise ConfigError("Factor should be < 1.0.")
         if threshold < 0:
-            raise ValueError(f"threshold {threshold} should be >= 0.")
+            raise ConfigError(f"threshold {threshold} should be >= 0.")
         if rule not in ("less", "greater"):
-            raise ValueError(f"mode {rule} is unknown!")
+            raise ConfigError(f"mode {rule} is unknown!")
         if threshold_rule not in ("rel", "abs"):
-            raise ValueError(f"threshold mode {threshold_rule} is unknown!")
+            raise ConfigError(f"threshold mode {threshold_rule} is unknown!")
         self.optimizer, self.param_name = optimizer, param_name
         self.begin, self.end, self.by_epoch, self.verbose = begin, end, by_epoch, verbose
         init_initial_values(optimizer, param_name, last_step)
@@ -48,7 +53,7 @@ class ReduceOnPlateauParamScheduler(ParamScheduler):
             # One per optimizer group; a wrapper's extra ``base_param_settings`` group takes the last one.
             raw = getattr(optimizer, "optimizer", optimizer).param_groups
             if len(min_value) != len(raw):
-                raise ValueError(f"expected {len(raw)} min_lrs, got {len(min_value)}")
+                raise ConfigError(f"expected {len(raw)} min_lrs, got {len(min_value)}")
             self.min_values = list(min_value) + [min_value[-1]] * (len(groups) - len(raw))
         else:
             self.min_values = [min_value] * len(groups)
