@@ -39,12 +39,19 @@ def first_line(exc: BaseException, limit: int = 240) -> str:
 def component_error(where: str, component: str, exc: BaseException) -> ConfigError:
     """``<where>: <first line of exc> (<component>)``: an exception a constructor raised while a
     component was built from its config (``optim_wrapper.optimizer: invalid learning rate: -1 (SGD)``).
-    The caller raises it ``from exc`` so the original stays the ``__cause__``."""
+    A ConfigTypeError when ``exc`` is a TypeError, so ``except TypeError`` still catches it. The caller
+    raises it ``from exc`` so the original stays the ``__cause__``."""
     text = first_line(exc)
     word = text.split(" ", 1)[0]
     if word[:1].isupper() and word[1:].islower():  # 'Invalid learning rate' -> 'invalid ...', not 'CUDA'
         text = text[0].lower() + text[1:]
-    return ConfigError(f"{where}: {text} ({component})")
+    return type_or_value_error(f"{where}: {text} ({component})", isinstance(exc, TypeError))
+
+
+def type_or_value_error(message: str, wrong_type: bool) -> ConfigError:
+    """The error of a check of both a value's type and its range, with one message: ConfigTypeError when
+    the type is wrong (where MMEngine raises TypeError), ConfigError (a ValueError) otherwise."""
+    return (ConfigTypeError if wrong_type else ConfigError)(message)
 
 
 def nearest(name: str, candidates: Iterable[str], n: int = 3) -> list[str]:

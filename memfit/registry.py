@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from memfit.errors import ConfigError, MemfitError, component_error, did_you_mean
+from memfit.errors import ConfigError, ConfigTypeError, MemfitError, component_error, did_you_mean
 
 
 class Registry:
@@ -68,9 +68,10 @@ class Registry:
 
         ``defaults`` fill arguments the config does not set (e.g. ``params`` for an optimizer).
         ``key`` names the config section in error messages (``optim_wrapper.optimizer``). Anything
-        the constructor raises becomes one ConfigError, ``<key>: <first line> (<type name>)``, with
-        the original as ``__cause__``; a ConfigError from a nested build that names no config key
-        gets ``<key>: `` in front; other memfit errors and KeyboardInterrupt pass unchanged.
+        the constructor raises becomes one ConfigError (a ConfigTypeError from a TypeError),
+        ``<key>: <first line> (<type name>)``, with the original as ``__cause__``; a ConfigError from a
+        nested build that names no config key gets ``<key>: `` in front; other memfit errors and
+        KeyboardInterrupt pass unchanged.
         """
         if not isinstance(cfg, dict):
             return cfg
@@ -93,14 +94,15 @@ class Registry:
             raise
         except Exception as exc:
             missing = _missing_arguments(target, kwargs) if isinstance(exc, TypeError) else []
-            if missing:
-                raise ConfigError(f"{where}: {name} needs {', '.join(map(repr, missing))}: add "
+            if missing:  # Python's (and MMEngine's) TypeError for a missing argument
+                raise ConfigTypeError(f"{where}: {name} needs {', '.join(map(repr, missing))}: add "
                                   f"{', '.join(f'{where}.{m}=...' for m in missing)}") from exc
             raise component_error(where, name, exc) from exc
 
 
 def check_kwargs(target: Callable, kwargs: dict[str, Any], where: str) -> None:
-    """Raise ConfigError if ``kwargs`` holds a key ``target`` does not accept."""
+    """Raise ConfigTypeError if ``kwargs`` holds a key ``target`` does not accept (the TypeError Python,
+    and so MMEngine's build, raises for an unexpected keyword argument)."""
     try:
         params = inspect.signature(target).parameters
     except (TypeError, ValueError):
@@ -110,7 +112,7 @@ def check_kwargs(target: Callable, kwargs: dict[str, Any], where: str) -> None:
     valid = [n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL]
     for k in kwargs:
         if k not in valid:
-            raise ConfigError(f"{where}: unknown key {k!r}: {did_you_mean(k, valid)}")
+            raise ConfigTypeError(f"{where}: unknown key {k!r}: {did_you_mean(k, valid)}")
 
 
 def _missing_arguments(target: Callable, kwargs: dict[str, Any]) -> list[str]:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from memfit import dist
-from memfit.errors import ConfigError, did_you_mean, warn_ignored
+from memfit.errors import ConfigError, ConfigTypeError, did_you_mean, warn_ignored
 from memfit.hooks.base import Hook, get_priority
 from memfit.hooks.log_options import log_options
 from memfit.logger import MessageHub, get_logger, log_failure
@@ -127,7 +127,7 @@ class Runner(RunnerCheckpoints):
             model = {**model, "data_preprocessor": data_preprocessor}
         self.model: nn.Module = MODELS.build(model, key="model")
         if not isinstance(self.model, nn.Module):
-            raise ConfigError(f"model must be an nn.Module or a config dict, got {type(self.model).__name__}")
+            raise ConfigTypeError(f"model must be an nn.Module or a config dict, got {type(self.model).__name__}")
         self.optim_wrapper: Any = None
         self.param_schedulers: list = []
         self.train_loop: Any = None
@@ -255,7 +255,7 @@ class Runner(RunnerCheckpoints):
             priority = hook.pop("priority", priority)
             hook = HOOKS.build(hook, key=key)
         if not isinstance(hook, Hook):
-            raise ConfigError(f"{key}: a hook must subclass memfit.hooks.Hook, got {type(hook).__name__}")
+            raise ConfigTypeError(f"{key}: a hook must subclass memfit.hooks.Hook, got {type(hook).__name__}")
         if priority is not None:
             hook.priority = priority
         p = get_priority(hook.priority)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-from memfit.errors import ConfigError, did_you_mean, nearest
+from memfit.errors import ConfigError, ConfigTypeError, did_you_mean, nearest
 
 # MMEngine's Runner and FlexibleRunner arguments, which are the top-level keys of a config file.
 RUNNER_KEYS: tuple[str, ...] = (
@@ -109,7 +109,7 @@ class Section:
         if d is None:
             d = {}
         if not isinstance(d, Mapping):
-            raise ConfigError(f"{key} must be a dict, got {type(d).__name__} {d!r}")
+            raise ConfigTypeError(f"{key} must be a dict, got {type(d).__name__} {d!r}")
         names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
         for sub in d:
             if sub not in names:
@@ -133,7 +133,7 @@ class Section:
         for f in fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
             if not _is_instance(value, hints[f.name]):
-                raise ConfigError(
+                raise ConfigTypeError(
                     f"{key}.{f.name} must be {_type_name(hints[f.name])}, "
                     f"got {type(value).__name__} {value!r}"
                 )
@@ -319,10 +319,10 @@ def validate_config(cfg: Mapping[str, Any]) -> None:
 
 def _validate(cfg: Mapping[str, Any], prefix: str) -> None:
     if not isinstance(cfg, Mapping):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a dict, got {type(cfg).__name__}")
+        raise ConfigTypeError(f"{prefix.rstrip('.') or 'config'} must be a dict, got {type(cfg).__name__}")
     for key, value in cfg.items():
         if not isinstance(key, str):
-            raise ConfigError(f"config key {key!r} in {prefix.rstrip('.') or 'the config'} must be a string")
+            raise ConfigTypeError(f"config key {key!r} in {prefix.rstrip('.') or 'the config'} must be a string")
         if key.startswith("_"):
             continue
         if key not in CONFIG_KEYS:

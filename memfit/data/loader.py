@@ -27,7 +27,7 @@ from torch.utils.data import (
 
 from memfit.data.sampler import DefaultSampler
 from memfit.data.seeded import SeededDataset
-from memfit.errors import ConfigError, component_error, did_you_mean
+from memfit.errors import ConfigError, ConfigTypeError, component_error, did_you_mean, type_or_value_error
 from memfit.registry import COLLATE_FNS, DATA_SAMPLERS, DATASETS, check_kwargs
 
 # The keys of an MMEngine dataloader config that memfit reads; anything else is a typo.
@@ -76,7 +76,7 @@ def build_dataloader(
     if isinstance(cfg, DataLoader):
         return adapt_dataloader(cfg, seed=seed, rank=rank, world_size=world_size)
     if not isinstance(cfg, dict):
-        raise ConfigError(f"{key}: expected a dict or a torch DataLoader, got {type(cfg).__name__}")
+        raise ConfigTypeError(f"{key}: expected a dict or a torch DataLoader, got {type(cfg).__name__}")
     for k in cfg:
         if k not in DATALOADER_KEYS:
             raise ConfigError(f"{key}: unknown key {k!r}: {did_you_mean(k, DATALOADER_KEYS)}")
@@ -85,7 +85,8 @@ def build_dataloader(
             raise ConfigError(f"{key}: missing {k!r}: set {key}.{k}")
     batch_size = cfg["batch_size"]
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ConfigError(f"{key}: batch_size={batch_size!r} must be a positive int")
+        raise type_or_value_error(f"{key}: batch_size={batch_size!r} must be a positive int",
+                                  not isinstance(batch_size, int) or isinstance(batch_size, bool))
     if cfg.get("batch_sampler") is not None:
         raise ConfigError(
             f"{key}: batch_sampler is not supported (memfit's samplers shard and resume per sample): "
@@ -211,7 +212,7 @@ def build_collate_fn(cfg: dict | str | Callable | None, *, key: str = "dataloade
         cfg = {"type": cfg}
     if not isinstance(cfg, dict):
         if not callable(cfg):
-            raise ConfigError(f"{key}.collate_fn: expected a name, dict(type=...) or a callable, got {cfg!r}")
+            raise ConfigTypeError(f"{key}.collate_fn: expected a name, dict(type=...) or a callable, got {cfg!r}")
         return cfg
     cfg = dict(cfg)
     if "type" not in cfg:

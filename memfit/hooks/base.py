@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from memfit.errors import ConfigError, warn_ignored
+from memfit.errors import ConfigError, ConfigTypeError, warn_ignored
 
 PRIORITIES = {
     "HIGHEST": 0,
@@ -24,9 +24,10 @@ def get_priority(priority: int | str) -> int:
     """Priority as an int (lower runs first); accepts MMEngine's names."""
     if isinstance(priority, int):
         return priority
-    if priority.upper() in PRIORITIES:
+    if isinstance(priority, str) and priority.upper() in PRIORITIES:
         return PRIORITIES[priority.upper()]
-    raise ValueError(f"unknown hook priority {priority!r}: use an int or one of {', '.join(PRIORITIES)}")
+    error = ValueError if isinstance(priority, str) else ConfigTypeError  # MMEngine: TypeError for neither
+    raise error(f"unknown hook priority {priority!r}: use an int or one of {', '.join(PRIORITIES)}")
 
 
 class Hook:
@@ -154,7 +155,7 @@ def check_local_storage(where: str, out_dir: Any, backend_args: dict | None,
     and warn once. Both given is an error, as in MMEngine.
     """
     if out_dir is not None and not isinstance(out_dir, str | Path):
-        raise ConfigError(f"{where}.out_dir={out_dir!r}: must be a str or Path (a folder) or None")
+        raise ConfigTypeError(f"{where}.out_dir={out_dir!r}: must be a str or Path (a folder) or None")
     if out_dir is not None and "://" in str(out_dir):
         raise ConfigError(f"{where}.out_dir={str(out_dir)!r}: memfit writes to local disk only; mount the "
                           "storage and give its local path")
@@ -164,7 +165,7 @@ def check_local_storage(where: str, out_dir: Any, backend_args: dict | None,
         if args is None:
             continue
         if not isinstance(args, dict):
-            raise ConfigError(f"{where}.{name}={args!r}: give a dict, e.g. dict(backend='local'), or remove it")
+            raise ConfigTypeError(f"{where}.{name}={args!r}: give a dict, e.g. dict(backend='local'), or remove it")
         backend = args.get("backend", "local")
         if backend not in ("local", "disk"):
             raise ConfigError(f"{where}.{name}: backend={backend!r} is not supported, memfit reads and writes "

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from memfit import dist
-from memfit.errors import ConfigError
+from memfit.errors import ConfigError, ConfigTypeError, type_or_value_error
 from memfit.hooks.base import Hook, check_local_storage
 from memfit.registry import HOOKS
 
@@ -56,16 +56,19 @@ class CheckpointHook(Hook):
                  less_keys: str | Sequence[str] | None = None, file_client_args: dict | None = None,
                  filename_tmpl: str | None = None, backend_args: dict | None = None,
                  published_keys: str | Sequence[str] | None = None, save_begin: int = 0) -> None:
+        # A wrongly typed argument is a TypeError, as MMEngine's (its interval and save_begin fail in a
+        # comparison with an int, published_keys by an explicit check); a bad value a ValueError.
         if type(interval) is not int or interval == 0:
-            raise ConfigError(f"interval={interval!r}: use an int >= 1, or -1 to save only the last checkpoint")
+            raise type_or_value_error(f"interval={interval!r}: use an int >= 1, or -1 to save only the last "
+                                      "checkpoint", type(interval) is not int)
         if type(save_begin) is not int or save_begin < 0:
-            raise ConfigError(f"{_WHERE}.save_begin={save_begin!r}: use an int >= 0 (the epoch or iteration "
-                              "of the first periodic checkpoint)")
+            raise type_or_value_error(f"{_WHERE}.save_begin={save_begin!r}: use an int >= 0 (the epoch or "
+                                      "iteration of the first periodic checkpoint)", type(save_begin) is not int)
         if type(max_keep_ckpts) is not int:
-            raise ConfigError(f"{_WHERE}.max_keep_ckpts={max_keep_ckpts!r}: use an int (-1 keeps all)")
+            raise ConfigTypeError(f"{_WHERE}.max_keep_ckpts={max_keep_ckpts!r}: use an int (-1 keeps all)")
         if filename_tmpl is not None and (not isinstance(filename_tmpl, str) or filename_tmpl.count("{}") != 1):
-            raise ConfigError(f"{_WHERE}.filename_tmpl={filename_tmpl!r}: use a str with one '{{}}' for the "
-                              "epoch or iteration, e.g. 'ckpt_{}.pth'")
+            raise type_or_value_error(f"{_WHERE}.filename_tmpl={filename_tmpl!r}: use a str with one '{{}}' for "
+                                      "the epoch or iteration, e.g. 'ckpt_{}.pth'", not isinstance(filename_tmpl, str))
         check_local_storage(_WHERE, out_dir, backend_args, file_client_args)
         self.interval, self.by_epoch, self.max_keep_ckpts = interval, by_epoch, max_keep_ckpts
         self.save_last, self.save_begin = save_last, save_begin
@@ -255,7 +258,7 @@ def _str_list(name: str, value: Any, default: list[str] | None) -> list[str] | N
         return default
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list | tuple) or not all(isinstance(k, str) for k in items):
-        raise ConfigError(f"{_WHERE}.{name}={value!r}: use a str or a list of str")
+        raise ConfigTypeError(f"{_WHERE}.{name}={value!r}: use a str or a list of str")
     if len(set(items)) != len(items):
         raise ConfigError(f"{_WHERE}.{name}={value!r}: remove the duplicate entries")
     return list(items)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from memfit import dist
-from memfit.errors import ConfigError, TrainingError
+from memfit.errors import ConfigError, TrainingError, type_or_value_error
 from memfit.hooks.base import Hook
 from memfit.registry import HOOKS
 
@@ -42,7 +42,8 @@ class CheckInvalidLossHook(Hook):
 
     def __init__(self, interval: int = 10, action: str = "stop") -> None:
         if type(interval) is not int or interval < 1:
-            raise ConfigError(f"interval={interval!r}: use an int >= 1 (iterations between loss checks)")
+            raise type_or_value_error(f"interval={interval!r}: use an int >= 1 (iterations between loss checks)",
+                                      type(interval) is not int)
         if action not in ACTIONS:
             raise ConfigError(f"action={action!r}: use 'stop' (raise at a nan/inf loss) or 'skip' (skip that step)")
         self.interval, self.action = interval, action

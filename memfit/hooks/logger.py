@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from memfit.dist import is_main_process
-from memfit.errors import ConfigError
+from memfit.errors import ConfigError, ConfigTypeError, type_or_value_error
 from memfit.hooks.base import Hook, check_local_storage
 from memfit.registry import HOOKS
 
@@ -59,18 +59,21 @@ class LoggerHook(Hook):
                  out_suffix: str | Sequence[str] = (".json", ".jsonl", ".log", ".py", "yaml"),
                  keep_local: bool = True, file_client_args: dict | None = None, log_metric_by_epoch: bool = True,
                  backend_args: dict | None = None) -> None:
+        # MMEngine's LoggerHook: TypeError for a wrong type, ValueError for a value < 1.
         if type(interval) is not int or interval < 1:
-            raise ConfigError(f"interval={interval!r}: use an int >= 1 (iterations between log lines)")
+            raise type_or_value_error(f"interval={interval!r}: use an int >= 1 (iterations between log lines)",
+                                      type(interval) is not int)
         if type(interval_exp_name) is not int or interval_exp_name < 1:
-            raise ConfigError(f"{_WHERE}.interval_exp_name={interval_exp_name!r}: use an int >= 1 (iterations "
-                              "between 'Exp name' lines)")
+            raise type_or_value_error(f"{_WHERE}.interval_exp_name={interval_exp_name!r}: use an int >= 1 "
+                                      "(iterations between 'Exp name' lines)", type(interval_exp_name) is not int)
         for name, value in (("ignore_last", ignore_last), ("keep_local", keep_local),
                             ("log_metric_by_epoch", log_metric_by_epoch)):
             if not isinstance(value, bool):
-                raise ConfigError(f"{_WHERE}.{name}={value!r}: use True or False")
+                raise ConfigTypeError(f"{_WHERE}.{name}={value!r}: use True or False")
         if not (isinstance(out_suffix, str) or (isinstance(out_suffix, list | tuple)
                                                 and all(isinstance(x, str) for x in out_suffix))):
-            raise ConfigError(f"{_WHERE}.out_suffix={out_suffix!r}: use a str or a tuple of str, e.g. ('.log', '.py')")
+            raise ConfigTypeError(f"{_WHERE}.out_suffix={out_suffix!r}: use a str or a tuple of str, "
+                                  "e.g. ('.log', '.py')")
         if out_dir is None and file_client_args is not None:
             raise ConfigError(f"{_WHERE}.file_client_args is set without out_dir: remove it (it only applies to "
                               "out_dir)")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memfit.errors import ConfigError
+from memfit.errors import type_or_value_error
 from memfit.hooks.base import Hook
 from memfit.memory.measure import CATEGORIES, MB, MemoryTracker
 from memfit.registry import HOOKS
@@ -35,8 +35,9 @@ class MemoryMonitorHook(Hook):
 
     def __init__(self, interval: int | None = None) -> None:
         if interval is not None and (not isinstance(interval, int) or interval < 1):
-            raise ConfigError(
-                f"MemoryMonitorHook.interval must be a positive integer or None, got {interval!r}"
+            raise type_or_value_error(
+                f"MemoryMonitorHook.interval must be a positive integer or None, got {interval!r}",
+                not isinstance(interval, int),
             )
         self.interval = interval
         self._tracker: MemoryTracker | None = None

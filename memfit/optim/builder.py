@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from memfit.errors import ConfigError
+from memfit.errors import ConfigError, ConfigTypeError
 from memfit.registry import OPTIM_WRAPPER_CONSTRUCTORS, OPTIM_WRAPPERS, OPTIMIZERS, copy_cfg
 
 logger = logging.getLogger("memfit")
@@ -32,7 +32,7 @@ def build_optim_wrapper(model: nn.Module, cfg: Any, in_backward: bool = False, o
     if isinstance(cfg, OptimWrapper):
         return cfg
     if not isinstance(cfg, dict):
-        raise ConfigError(f"optim_wrapper must be a dict or an OptimWrapper, got {type(cfg).__name__}")
+        raise ConfigTypeError(f"optim_wrapper must be a dict or an OptimWrapper, got {type(cfg).__name__}")
     cfg = dict(cfg)
     constructor = cfg.pop("constructor", None)
     paramwise_cfg = cfg.pop("paramwise_cfg", None)
@@ -82,11 +82,11 @@ class DefaultOptimWrapperConstructor:
 
     def __init__(self, optim_wrapper_cfg: dict, paramwise_cfg: dict | None = None) -> None:
         if not isinstance(optim_wrapper_cfg, dict):
-            raise TypeError(f"optim_wrapper_cfg should be a dict, got {type(optim_wrapper_cfg).__name__}")
+            raise ConfigTypeError(f"optim_wrapper_cfg should be a dict, got {type(optim_wrapper_cfg).__name__}")
         if "optimizer" not in optim_wrapper_cfg:
             raise ConfigError("optim_wrapper.optimizer is missing: e.g. optimizer=dict(type='SGD', lr=0.01)")
         if paramwise_cfg is not None and not isinstance(paramwise_cfg, dict):
-            raise TypeError(f"paramwise_cfg should be None or a dict, got {type(paramwise_cfg).__name__}")
+            raise ConfigTypeError(f"paramwise_cfg should be None or a dict, got {type(paramwise_cfg).__name__}")
         self.optim_wrapper_cfg = dict(optim_wrapper_cfg)
         self.optimizer_cfg = self.optim_wrapper_cfg["optimizer"]
         self.paramwise_cfg = paramwise_cfg or {}
@@ -173,7 +173,8 @@ def build_optimizer(model: nn.Module, cfg: Any, paramwise_cfg: dict | None = Non
     cfg = dict(cfg)
     for k, v in cfg.items():
         if k != "type" and isinstance(v, str) and _is_number(v):
-            raise ConfigError(f"optim_wrapper.optimizer.{k}={v!r} is a string: write the number {float(v)!r} "
+            # A TypeError, as torch's own comparison of the str with a number would raise.
+            raise ConfigTypeError(f"optim_wrapper.optimizer.{k}={v!r} is a string: write the number {float(v)!r} "
                               "(YAML reads 1e-3 as text; 1.0e-3 is a number)")
     if paramwise_cfg:
         from memfit.optim.param_groups import build_param_groups

@@ -26,7 +26,7 @@ from typing import Any
 
 from torch import nn
 
-from memfit.errors import ConfigError, did_you_mean, nearest
+from memfit.errors import ConfigError, ConfigTypeError, did_you_mean, nearest
 
 logger = logging.getLogger("memfit")
 
@@ -47,14 +47,14 @@ def _check_cfg(cfg: dict) -> dict[str, dict]:
             raise ConfigError(f"paramwise_cfg: unknown key {key!r}: {did_you_mean(key, PARAMWISE_KEYS)}")
     for key in _MULTS:
         if key in cfg and not isinstance(cfg[key], (int, float)):
-            raise ConfigError(f"paramwise_cfg.{key}={cfg[key]!r}: use a number")
+            raise ConfigTypeError(f"paramwise_cfg.{key}={cfg[key]!r}: use a number")
     custom = cfg.get("custom_keys") or {}
     if not isinstance(custom, dict) or not all(isinstance(v, dict) for v in custom.values()):
-        raise ConfigError("paramwise_cfg.custom_keys: use a dict: name -> dict(lr_mult=.., decay_mult=..)")
+        raise ConfigTypeError("paramwise_cfg.custom_keys: use a dict: name -> dict(lr_mult=.., decay_mult=..)")
     for key, opts in custom.items():
         for opt in ("lr_mult", "decay_mult"):
             if opt in opts and not isinstance(opts[opt], (int, float)):
-                raise ConfigError(f"paramwise_cfg.custom_keys[{key!r}].{opt}={opts[opt]!r}: use a number")
+                raise ConfigTypeError(f"paramwise_cfg.custom_keys[{key!r}].{opt}={opts[opt]!r}: use a number")
         for opt in opts:
             # Other keys are optimizer options copied into the group; one that looks like a
             # misspelt multiplier would be silently ignored by torch, so it is an error.

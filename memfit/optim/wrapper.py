@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from memfit.errors import ConfigError, warn_ignored
+from memfit.errors import ConfigError, ConfigTypeError, type_or_value_error, warn_ignored
 from memfit.precision import Precision, amp_precision, parse_dtype
 from memfit.registry import OPTIM_WRAPPERS
 
@@ -42,7 +42,10 @@ class OptimWrapper:
 
     def __init__(self, optimizer: Optimizer, accumulative_counts: int = 1, clip_grad: dict | None = None) -> None:
         if not isinstance(accumulative_counts, int) or accumulative_counts < 1:
-            raise ConfigError(f"optim_wrapper.accumulative_counts={accumulative_counts!r}: use an int >= 1")
+            raise type_or_value_error(f"optim_wrapper.accumulative_counts={accumulative_counts!r}: use an int >= 1",
+                                      not isinstance(accumulative_counts, int))
+        if clip_grad is not None and not isinstance(clip_grad, dict):
+            raise ConfigTypeError(f"optim_wrapper.clip_grad={clip_grad!r}: use dict(max_norm=..., norm_type=2)")
         if clip_grad is not None:
             unknown = set(clip_grad) - {"max_norm", "norm_type", "error_if_nonfinite", "foreach", "type"}
             if unknown or "max_norm" not in clip_grad:
