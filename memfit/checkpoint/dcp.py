@@ -167,18 +167,19 @@ def write_dcp(tensors: dict[str, Any], tmp: Path, async_group: Any = None) -> An
     return getattr(response, "upload_completion", response)
 
 
-def read_sharded_checkpoint(path: str | Path) -> dict:
+def read_sharded_checkpoint(path: str | Path, with_optimizer: bool = True) -> dict:
     """A whole sharded checkpoint gathered into full tensors in this process (no process group needed).
 
     The result has the layout of a file checkpoint, except that ``optim_wrapper.optimizer`` is keyed
     by parameter name (``get_optimizer_state_dict``'s form); load it with :func:`fqn_optim_state`
     and ``set_optimizer_state_dict``. Used to resume at another world size with a non-FSDP strategy.
+    ``with_optimizer=False`` leaves the optimizer shards unread (publishing the weights).
     """
     from memfit.checkpoint.directory import read_extras
 
     path = Path(path)
     state = read_extras(path)
-    tensors = read_dcp(path)
+    tensors = read_dcp(path, keys=None if with_optimizer else {"state_dict"})
     state["state_dict"] = tensors["state_dict"]
     if "optimizer" in tensors:
         state.setdefault("optim_wrapper", {})["optimizer"] = tensors["optimizer"]

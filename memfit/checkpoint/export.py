@@ -1,4 +1,5 @@
-"""Export the consolidated model weights of a checkpoint to ``.safetensors`` (``memfit export``).
+"""Export the consolidated model weights of a checkpoint to ``.safetensors`` (``memfit export``), and
+read any training checkpoint as one dict of full tensors (what CheckpointHook ``published_keys`` writes).
 
 safetensors holds tensors only and cannot execute code on load, which makes it the format to hand
 to inference or fine-tuning elsewhere. Works for a single-file memfit checkpoint and for a sharded
@@ -12,8 +13,9 @@ from pathlib import Path
 import torch
 
 from memfit._version import __version__
-from memfit.checkpoint.io import atomic_path
+from memfit.checkpoint.io import atomic_path, load_checkpoint
 from memfit.checkpoint.weights import read_state_dict
+from memfit.errors import CheckpointError
 
 
 def export_safetensors(checkpoint_path: str | Path, out_path: str | Path) -> Path:
@@ -50,3 +52,28 @@ def export_safetensors(checkpoint_path: str | Path, out_path: str | Path) -> Pat
     with atomic_path(out_path) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
     return out_path
+
+
+def read_checkpoint(path: str | Path, with_optimizer: bool = True) -> dict:
+    """A training checkpoint of any form as one dict with a file checkpoint's layout and full tensors.
+
+    A file is loaded as it is; a sharded directory (``torch.distributed.checkpoint``) is gathered in
+    this process without a process group (its optimizer state keyed by parameter name); a DeepSpeed
+    directory gets its weights consolidated by zero_to_fp32, but its optimizer shards cannot be
+    gathered. ``with_optimizer=False`` leaves the optimizer state out of the directory forms.
+    """
+    from memfit.checkpoint.dcp import is_dcp_checkpoint, read_sharded_checkpoint
+    from memfit.checkpoint.deepspeed import is_deepspeed_checkpoint, read_deepspeed_state_dict
+    from memfit.checkpoint.directory import read_extras
+
+    path = Path(path)
+    if path.is_file():
+        return load_checkpoint(path)
+    if is_deepspeed_checkpoint(path):
+        if with_optimizer:
+            raise CheckpointError(f"{path}: a DeepSpeed checkpoint's optimizer shards cannot be gathered into one "
+                                  "file: leave 'optim_wrapper' out (publish ['meta', 'state_dict'])")
+        return {**read_extras(path), "state_dict": read_deepspeed_state_dict(path)}
+    if is_dcp_checkpoint(path):
+        return read_sharded_checkpoint(path, with_optimizer=with_optimizer)
+    raise CheckpointError(f"{path}: neither a checkpoint file nor a sharded checkpoint directory")

@@ -35,12 +35,15 @@ class CheckpointHook(Hook):
     compared by ``rule`` ('greater'/'less', one or one per metric; None: decided by ``greater_keys`` /
     ``less_keys``). The message hub holds ``best_score``/``best_ckpt`` (``best_score_<metric>`` ... with
     several metrics). ``published_keys`` writes ``<name>-<sha256[:8]>.pth`` copies of the last and best
-    checkpoints holding only those keys after training. ``max_keep_ckpts=K`` keeps the K newest periodic
-    checkpoints (also those of an earlier, resumed run), never a best one nor the one ``last_checkpoint``
-    names. ``save_optimizer=False`` / ``save_param_scheduler=False`` write smaller checkpoints that resume
-    with a fresh optimizer / fresh schedulers (with a warning). Unlike MMEngine, a best checkpoint holds
-    the whole training state and becomes the one ``last_checkpoint`` names, so no periodic checkpoint is
-    saved again to record the new best. Only local disk: ``backend_args``/``file_client_args`` warn.
+    checkpoints holding only those keys after training (a sharded directory gathered into that one
+    file). ``max_keep_ckpts=K`` keeps the K newest periodic checkpoints of the run, as MMEngine: their
+    numbers are the message hub's ``keep_ckpt_ids``, saved in every checkpoint, so a resumed run goes on
+    deleting the ones saved before the resume (and nothing it did not save); never a best one nor the
+    one ``last_checkpoint`` names. ``save_optimizer=False`` / ``save_param_scheduler=False`` write
+    smaller checkpoints that resume with a fresh optimizer / fresh schedulers (with a warning). Unlike
+    MMEngine, a best checkpoint holds the whole training state and becomes the one ``last_checkpoint``
+    names, so no periodic checkpoint is saved again to record the new best. Only local disk:
+    ``backend_args``/``file_client_args`` warn.
     """
 
     priority = "VERY_LOW"
@@ -85,6 +88,7 @@ class CheckpointHook(Hook):
         if self.save_best is not None:
             self._init_rule(self.rules, self.save_best)
         self.last_ckpt: Path | None = None
+        self.keep_ckpt_ids: list[int] = []  # the numbers of the periodic checkpoints kept, oldest first
 
     @property
     def filename_tmpl(self) -> str:
@@ -120,6 +124,25 @@ class CheckpointHook(Hook):
         if dist.is_main_process():
             for folder in {work_dir, self.out_dir}:
                 _remove_stale_temp_files(runner, folder)
+        if self.max_keep_ckpts > 0:
+            self.keep_ckpt_ids = self._restored_ids(runner)
+            self._prune(runner)  # a resume with a smaller max_keep_ckpts deletes the surplus, as MMEngine
+
+    def _restored_ids(self, runner: Any) -> list[int]:
+        """``keep_ckpt_ids`` of the checkpoint resumed from; one saved without them (by an older memfit)
+        stands for the run's checkpoints on disk numbered up to the resumed position."""
+        hub = runner.message_hub
+        if "keep_ckpt_ids" in hub.runtime_info:
+            return [int(n) for n in hub.get_info("keep_ckpt_ids")]
+        done = runner.epoch if self.by_epoch else runner.iter
+        if done == 0:
+            return []
+        from memfit.checkpoint.workdir import find_checkpoints
+
+        before, after = self.filename_tmpl.split("{}")
+        numbers = (p.name[len(before):len(p.name) - len(after)] for p in find_checkpoints(self.out_dir,
+                                                                                            self.filename_tmpl))
+        return [n for n in map(int, numbers) if n <= done]
 
     def after_train_epoch(self, runner: Any) -> None:
         if not self.by_epoch:
@@ -142,14 +165,34 @@ class CheckpointHook(Hook):
     def _save_periodic(self, runner: Any, step: int, meta: dict) -> None:
         self.last_ckpt = self.out_dir / self.filename_tmpl.format(step)
         runner.message_hub.update_info("last_ckpt", str(self.last_ckpt))
+        if self.max_keep_ckpts > 0:
+            # Saved with the checkpoint are also the numbers about to be deleted (deleted only once the
+            # new checkpoint is complete), so a run resumed after a kill in between deletes them.
+            self.keep_ckpt_ids = [n for n in self.keep_ckpt_ids if n != step] + [step]
+            runner.message_hub.update_info("keep_ckpt_ids", list(self.keep_ckpt_ids))
         self._write(runner, self.last_ckpt, meta)
-        if self.max_keep_ckpts > 0 and dist.is_main_process():
-            from memfit.checkpoint.workdir import latest_target, remove_old
+        if self.max_keep_ckpts > 0:
+            self._prune(runner)
 
-            protect = [*self._best_paths(runner), latest_target(runner.work_dir) or self.last_ckpt]
-            removed = remove_old(self.out_dir, self.max_keep_ckpts, protect=protect, filename_tmpl=self.filename_tmpl)
-            for path in removed:
+    def _prune(self, runner: Any) -> None:
+        """Delete the oldest of ``keep_ckpt_ids`` beyond ``max_keep_ckpts``, except a best checkpoint and
+        the one ``last_checkpoint`` names (a background save may not have replaced it yet): those stay
+        listed, to be deleted by a later save."""
+        from memfit.checkpoint.workdir import latest_target
+
+        protect = {p.resolve() for p in [*self._best_paths(runner), latest_target(runner.work_dir) or self.last_ckpt]
+                   if p is not None}
+        surplus = len(self.keep_ckpt_ids) - self.max_keep_ckpts
+        kept = []
+        for i, n in enumerate(self.keep_ckpt_ids):
+            path = Path(self.out_dir) / self.filename_tmpl.format(n)
+            if i >= surplus or path.resolve() in protect:
+                kept.append(n)
+            elif dist.is_main_process() and path.exists():
+                _remove(path)
                 runner.logger.debug(f"max_keep_ckpts={self.max_keep_ckpts}: removed {path.name}")
+        self.keep_ckpt_ids = kept
+        runner.message_hub.update_info("keep_ckpt_ids", kept)
 
     def _write(self, runner: Any, path: Path, meta: dict) -> None:
         runner.save_checkpoint(str(path), meta=meta, save_optimizer=self.save_optimizer,
@@ -224,21 +267,28 @@ class CheckpointHook(Hook):
 
     # -- published copies ----------------------------------------------------------------------
     def after_train(self, runner: Any) -> None:
-        if self.published_keys is None or not dist.is_main_process():
+        if self.published_keys is None:
+            return
+        runner.strategy.finalize_checkpoints()  # a collective: the last checkpoint may be written in the background
+        self._adopt_pointer(runner)
+        if not dist.is_main_process():
             return
         last = [self.last_ckpt] if self.save_last and self.last_ckpt is not None else []
         for path in last + (self._best_paths(runner) if self.save_best else []):
             self._publish(runner, path)
 
     def _publish(self, runner: Any, path: Path) -> None:
-        """MMEngine's ``_publish_model``: a copy with ``published_keys`` only, named by its content's hash."""
-        from memfit.checkpoint import atomic_path, load_checkpoint
+        """MMEngine's ``_publish_model``: a copy with ``published_keys`` only, named by its content's hash.
+        A sharded checkpoint directory is gathered into that one file in this process (as ``memfit export``)."""
+        from memfit.checkpoint import atomic_path
+        from memfit.checkpoint.export import read_checkpoint
+        from memfit.errors import CheckpointError
 
-        if not path.is_file():
-            runner.logger.warning(f"published_keys: {path} is not a single checkpoint file, not published "
-                                  "(export a sharded checkpoint with memfit.checkpoint.export_safetensors)")
+        try:
+            state = read_checkpoint(path, with_optimizer="optim_wrapper" in self.published_keys)
+        except CheckpointError as exc:
+            runner.logger.warning(f"published_keys: {path} not published: {exc}")
             return
-        state = load_checkpoint(path)
         removed = [k for k in state if k not in self.published_keys]
         state = {k: v for k, v in state.items() if k in self.published_keys}
         if removed:
