@@ -2,6 +2,7 @@
 
 from memfit.evaluator.accuracy import Accuracy
 from memfit.evaluator.coco_metric import CocoMetric
+from memfit.evaluator.dump import DumpResults
 from memfit.evaluator.metric import BaseMetric, Evaluator
 
-__all__ = ["Accuracy", "BaseMetric", "CocoMetric", "Evaluator"]
+__all__ = ["Accuracy", "BaseMetric", "CocoMetric", "DumpResults", "Evaluator"]

@@ -79,7 +79,7 @@ class Evaluator:
     def process(self, data_samples: Any, data_batch: Any = None) -> None:
         world = get_world_size()
         if self.dataset_size is not None and world > 1:
-            n = _batch_len(data_batch, data_samples)
+            n = batch_len(data_batch, data_samples)
             if n is not None:
                 rank, first = get_rank(), self._seen
                 self._seen += n
@@ -89,7 +89,8 @@ class Evaluator:
                 if real == 0:
                     return
                 if real < n:
-                    data_samples, data_batch = _head(data_samples, n, real), _head(data_batch, n, real)
+                    data_samples, data_batch = (take_samples(data_samples, n, slice(real)),
+                                                 take_samples(data_batch, n, slice(real)))
         for m in self.metrics:
             m.process(data_batch, data_samples)
 
@@ -101,7 +102,7 @@ class Evaluator:
         return out
 
 
-def _batch_len(data_batch: Any, data_samples: Any) -> int | None:
+def batch_len(data_batch: Any, data_samples: Any) -> int | None:
     """The number of samples in a batch: the leading size of its first tensor (else of the outputs)."""
     import torch
     from torch.utils._pytree import tree_leaves
@@ -115,23 +116,23 @@ def _batch_len(data_batch: Any, data_samples: Any) -> int | None:
     return None
 
 
-def _head(obj: Any, n: int, k: int) -> Any:
-    """The first ``k`` of ``n`` samples of a batch-like structure.
+def take_samples(obj: Any, n: int, index: int | slice) -> Any:
+    """Sample ``index`` (an int) or samples ``index`` (a slice) of a batch-like structure of ``n`` samples.
 
-    Tensors with leading size ``n`` are sliced; a list/tuple of ``n`` per-sample items (data samples,
-    per-image dicts) is cut, unless its items are themselves batch tensors (``(scores, labels)``),
-    which are sliced one by one; dicts are handled per value; anything else is kept.
+    Tensors with leading size ``n`` are indexed; a list/tuple of ``n`` per-sample items (data samples,
+    per-image dicts) is indexed, unless its items are themselves batch tensors (``(scores, labels)``),
+    which are indexed one by one; dicts are handled per value; anything else is kept.
     """
     import torch
 
     if isinstance(obj, torch.Tensor):
-        return obj[:k] if obj.dim() > 0 and obj.shape[0] == n else obj
+        return obj[index] if obj.dim() > 0 and obj.shape[0] == n else obj
     if isinstance(obj, dict):
-        return type(obj)({key: _head(v, n, k) for key, v in obj.items()})
+        return type(obj)({key: take_samples(v, n, index) for key, v in obj.items()})
     if isinstance(obj, list | tuple):
         batched = all(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n for v in obj)
         if len(obj) == n and not batched:
-            return obj[:k]
-        items = [_head(v, n, k) for v in obj]
+            return obj[index]
+        items = [take_samples(v, n, index) for v in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     return obj
