@@ -54,6 +54,8 @@ def test_get_lr_has_one_entry_per_original_group_as_the_scheduler_steps():
         lrs = wrapper.get_lr()
         assert lrs["lr"] == pytest.approx([LR * m * factor for m in LR_MULTS], rel=1e-12)
         assert lrs["base_lr"] == pytest.approx([LR * factor], rel=1e-12)  # the optimizer's default, scheduled too
+        # LoggerHook logs each entry's first value: the first merged group holds the first parameter.
+        assert lrs["lr"][0] == wrapper.optimizer.param_groups[0]["lr"]
         assert wrapper.get_momentum() == {"momentum": MOMENTA}
         scheduler.step()
 
