@@ -149,3 +149,24 @@ def regression_data(n: int = 32) -> list:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 4, generator=g)
     return [(x[i], x[i].sum(0, keepdim=True)) for i in range(n)]
+
+
+def scripted_metric(script: list[dict]) -> Any:
+    """A metric whose i-th evaluation returns ``script[i]`` (MMEngine's tests use a TriangleMetric the
+    same way), to drive what a validation reports: best checkpoints, plateau schedulers."""
+    from memfit.evaluator.metric import BaseMetric
+
+    class Scripted(BaseMetric):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def process(self, data_batch: Any, data_samples: Any) -> None:
+            self.results.append(0)
+
+        def compute_metrics(self, results: list) -> dict:
+            self.calls += 1
+            return dict(script[self.calls - 1])
+
+    return Scripted()
+

@@ -10,25 +10,9 @@ import pytest
 
 from memfit.checkpoint import LATEST_FILE, load_checkpoint
 from memfit.errors import ConfigError
-from memfit.evaluator.metric import BaseMetric
 from memfit.hooks import CheckpointHook
 from memfit.runner import Runner
-from memfit.testing import regression_data, regression_model
-
-
-class Scripted(BaseMetric):
-    """The i-th validation returns ``script[i]`` (MMEngine's tests use a TriangleMetric the same way)."""
-
-    def __init__(self, script: list[dict]) -> None:
-        super().__init__()
-        self.script, self.calls = script, 0
-
-    def process(self, data_batch, data_samples) -> None:
-        self.results.append(0)
-
-    def compute_metrics(self, results: list) -> dict:
-        self.calls += 1
-        return dict(self.script[self.calls - 1])
+from memfit.testing import regression_data, regression_model, scripted_metric
 
 
 def _runner(work_dir, checkpoint: dict, script: list[dict] | None = None, **kw) -> Runner:
@@ -41,7 +25,7 @@ def _runner(work_dir, checkpoint: dict, script: list[dict] | None = None, **kw) 
                                    checkpoint=dict(type="CheckpointHook", **checkpoint)))
     if script is not None:
         base.update(val_dataloader=dict(batch_size=4, dataset=regression_data(4)), val_cfg=dict(),
-                    val_evaluator=dict(type=Scripted, script=script))
+                    val_evaluator=scripted_metric(script))
     base.update(kw)
     return Runner(**base)
 

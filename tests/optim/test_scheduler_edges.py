@@ -10,11 +10,10 @@ import torch
 
 import memfit.optim.scheduler as sched
 from memfit.errors import ConfigError, ConfigTypeError
-from memfit.evaluator.metric import BaseMetric
 from memfit.hooks import Hook
 from memfit.optim.scheduler import CosineAnnealingLR, CosineRestartLR, LinearLR, build_param_schedulers
 from memfit.runner import Runner
-from memfit.testing import regression_data, regression_model
+from memfit.testing import regression_data, regression_model, scripted_metric
 
 BEFORE = r"Detected call of `scheduler\.step\(\)` before `optimizer\.step\(\)`"
 OVERRIDDEN = r"Seems like `optimizer\.step\(\)` has been overridden after parameter value scheduler"
@@ -73,21 +72,6 @@ def test_cosine_restart_needs_exactly_one_eta_min():
 
 
 # -- ReduceOnPlateau in an iteration-based run -----------------------------------------------------------
-class Scripted(BaseMetric):
-    """The i-th validation returns ``{'mse': script[i]}``."""
-
-    def __init__(self, script: list) -> None:
-        super().__init__()
-        self.script, self.calls = script, 0
-
-    def process(self, data_batch, data_samples) -> None:
-        self.results.append(0)
-
-    def compute_metrics(self, results: list) -> dict:
-        self.calls += 1
-        return {"mse": self.script[self.calls - 1]}
-
-
 def test_plateau_in_an_iteration_based_run(tmp_path):
     # As in MMEngine: ReduceOnPlateauLR keeps by_epoch=True and ParamSchedulerHook.after_val_epoch steps it
     # with every validation's metrics (every 2 iterations here). Rule 'less', rel threshold 1e-4,
@@ -103,7 +87,7 @@ def test_plateau_in_an_iteration_based_run(tmp_path):
                     train_dataloader=dict(batch_size=4, dataset=regression_data(8)),
                     train_cfg=dict(by_epoch=False, max_iters=12, val_interval=2),
                     val_dataloader=dict(batch_size=4, dataset=regression_data(4)), val_cfg=dict(),
-                    val_evaluator=dict(type=Scripted, script=[1.0, 0.5, 0.5, 0.5, 0.5, 0.5]),
+                    val_evaluator=scripted_metric([{"mse": v} for v in (1.0, 0.5, 0.5, 0.5, 0.5, 0.5)]),
                     optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.1)),
                     param_scheduler=dict(type="ReduceOnPlateauLR", monitor="mse", factor=0.5, patience=1),
                     default_hooks=dict(checkpoint=None, logger=None), custom_hooks=[Spy()])
