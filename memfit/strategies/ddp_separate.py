@@ -56,16 +56,16 @@ def separate_no_sync(ddps: dict[str, DistributedDataParallel], module: nn.Module
 def check_several_optimizers(strategy: Any, world_size: int) -> None:
     """Several optimizers (an ``OptimWrapperDict``) run in one process, or under DDPStrategy with one DDP
     per submodule (switched on here unless ``separate=False`` was asked for); anything else is refused."""
-    from memfit.strategies.ddp import DDPStrategy
     from memfit.strategies.single import SingleDeviceStrategy
 
     name = type(strategy).__name__
-    if isinstance(strategy, DDPStrategy) and not strategy.zero and strategy.separate is not False:
+    ddp = hasattr(strategy, "separate")  # DDPStrategy's option (its module imports this one: no import back)
+    if ddp and not strategy.zero and strategy.separate is not False:
         strategy.separate = True
         return
     if type(strategy) is SingleDeviceStrategy and world_size == 1:
         return
-    if isinstance(strategy, DDPStrategy):
+    if ddp:
         cause = "zero=True (ZeroRedundancyOptimizer takes one optimizer)" if strategy.zero else "separate=False"
         raise ConfigError(f"optim_wrapper with several optimizers (OptimWrapperDict) and DDPStrategy {cause}: use "
                           "strategy='ddp' (one DDP per submodule, as MMSeparateDistributedDataParallel)")
