@@ -107,7 +107,8 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
     inputs = inputs or Inputs(cfg)
     levers = allowed_levers(cfg, facts, device, inputs.fixed_size, compile or configured.compile)
     precisions = tuple(p for p in PRECISIONS if device.dtype_tflops(p))
-    plans = [] if as_is else enumerate_plans(configured, facts, world_size, precisions, device.cuda, levers)
+    enumerated = [] if as_is else enumerate_plans(configured, facts, world_size, precisions, device.cuda)
+    plans = [levers.on(p) for p in enumerated]
     plans = list(dict.fromkeys([*plans, *(replace(p, configured=False) for p in also)]))
     if levers.compile:
         plans += compiled_twins(plans)

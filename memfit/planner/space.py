@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
 from memfit.errors import ConfigError
 from memfit.model.blocks import CONTAINERS as _CONTAINERS  # noqa: F401 (importable here as before)
 from memfit.model.blocks import find_blocks as _blocks
-
-if TYPE_CHECKING:
-    from memfit.planner.levers import Levers
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SHARDINGS = ("none", "zero1", "zero2", "fsdp")
@@ -280,10 +277,10 @@ def _ac_name(spec: Any, facts: ModelFacts) -> str:
 
 
 def enumerate_plans(configured: Plan, facts: ModelFacts, world_size: int, precisions: tuple[str, ...] = PRECISIONS,
-                    host_offload: bool = True, levers: Levers | None = None) -> list[Plan]:
+                    host_offload: bool = True) -> list[Plan]:
     """Every plan worth predicting for a model trained at ``world_size`` ranks, keeping the global
-    batch of ``configured`` (micro-batch x accumulation), each with the speed levers ``levers`` gives it
-    (none by default; levers cost no memory, so they are not an axis of their own). Pruned: checkpointing
+    batch of ``configured`` (micro-batch x accumulation), without speed levers (they cost no memory, so
+    they are not an axis of their own: :meth:`memfit.planner.levers.Levers.on` gives them). Pruned: checkpointing
     choices the model cannot express (no stages), Conv-BN folding without frozen BatchNorm, sharding at one
     rank (FSDP there only as the carrier of CPU offload), parameter offload without FSDP, optimizer offload
     under ZeRO-1 (which builds its own optimizer) and where the target is the host (``host_offload``
@@ -300,7 +297,7 @@ def enumerate_plans(configured: Plan, facts: ModelFacts, world_size: int, precis
         shardings += [(s, "optimizer") for s in SHARDINGS if s != "zero1" and (world_size > 1 or s == "none")]
     plans = [Plan(p, a, s, o, c, b, per_rank // b)
              for p in precisions for a in acs for s, o in shardings for c in conv_bn for b in micro]
-    return [levers.on(p) for p in plans] if levers is not None else plans
+    return plans
 
 
 def _halvings(b: int) -> list[int]:

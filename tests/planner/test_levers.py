@@ -147,7 +147,7 @@ def test_levers_follow_the_target_and_the_model(conv_facts):
     vit_levers = allowed_levers(cfg, vit, gpu("H100"), fixed_size=True)
     assert not vit_levers.channels_last and not vit_levers.cudnn_benchmark and vit_levers.tf32
 
-    plans = enumerate_plans(Plan("fp32", micro_batch=2), conv_facts, 2, levers=h100)
+    plans = [h100.on(p) for p in enumerate_plans(Plan("fp32", micro_batch=2), conv_facts, 2)]
     for p in plans:
         fsdp = p.sharding in ("zero2", "fsdp") or p.offload == "params"
         assert p.tf32 == (p.precision == "fp32") and p.cudnn_benchmark and not p.compile, p.name
@@ -157,7 +157,7 @@ def test_levers_follow_the_target_and_the_model(conv_facts):
     # DTensor has no sharding rule for fused SGD: FSDP plans step it with foreach.
     sgd = allowed_levers({**cfg, "optim_wrapper": dict(optimizer=dict(type="SGD", lr=0.1))}, conv_facts, gpu("H100"),
                          fixed_size=True)
-    for p in enumerate_plans(Plan("fp32", micro_batch=2), conv_facts, 2, levers=sgd):
+    for p in (sgd.on(p) for p in enumerate_plans(Plan("fp32", micro_batch=2), conv_facts, 2)):
         assert p.fused_optimizer == (p.offload == "none" and p.sharding in ("none", "zero1")), p.name
     assert all(not any(getattr(p, k) for k in LEVERS)
                for p in enumerate_plans(Plan("fp32", micro_batch=2), conv_facts, 1))  # none unless given
