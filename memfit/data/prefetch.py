@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from memfit.model.base import move_to
+from memfit.model.base import map_tensors, move_to
 
 _END = object()
 
@@ -61,12 +61,4 @@ def _ahead(batches: Iterator, device: torch.device) -> Iterator:
 
 def _record(data: Any, stream: torch.cuda.Stream) -> None:
     """Mark every CUDA tensor in ``data`` as used by ``stream`` (it was allocated on the copy stream)."""
-    if isinstance(data, torch.Tensor):
-        if data.is_cuda:
-            data.record_stream(stream)
-    elif isinstance(data, dict):
-        for v in data.values():
-            _record(v, stream)
-    elif isinstance(data, (list, tuple)):
-        for v in data:
-            _record(v, stream)
+    map_tensors(data, lambda t: t.record_stream(stream) if t.is_cuda else None)

@@ -3,28 +3,34 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 
+def map_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``data`` with ``fn`` applied to every tensor in it, nested in dicts, lists, tuples and namedtuples
+    (their types kept); anything else is returned as it is."""
+    if isinstance(data, torch.Tensor):
+        return fn(data)
+    if isinstance(data, Mapping):
+        if isinstance(data, OrderedDict):
+            return OrderedDict((k, map_tensors(v, fn)) for k, v in data.items())
+        return type(data)({k: map_tensors(v, fn) for k, v in data.items()})
+    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
+        return type(data)(*(map_tensors(v, fn) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(map_tensors(v, fn) for v in data)
+    return data
+
+
 def move_to(data: Any, device: torch.device | str | None, non_blocking: bool = False) -> Any:
     """Move every tensor in a nested dict/list/tuple to ``device`` (structure kept)."""
     if device is None:
         return data
-    if isinstance(data, torch.Tensor):
-        return data.to(device, non_blocking=non_blocking)
-    if isinstance(data, Mapping):
-        return type(data)({k: move_to(v, device, non_blocking) for k, v in data.items()}) if not isinstance(
-            data, OrderedDict
-        ) else OrderedDict((k, move_to(v, device, non_blocking)) for k, v in data.items())
-    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return type(data)(*(move_to(v, device, non_blocking) for v in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(move_to(v, device, non_blocking) for v in data)
-    return data
+    return map_tensors(data, lambda t: t.to(device, non_blocking=non_blocking))
 
 
 class _FollowsDevice(nn.Module):

@@ -13,28 +13,23 @@ channels_last output, so the layout then carries through the network. The values
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
+
+from memfit.model.base import map_tensors
 
 logger = logging.getLogger("memfit")
 
 
 def to_channels_last(data: Any) -> Any:
     """``data`` with every 4-D floating-point tensor in channels_last (nested dicts, lists and tuples kept)."""
-    if isinstance(data, torch.Tensor):
-        if data.dim() == 4 and data.is_floating_point():
-            return data.contiguous(memory_format=torch.channels_last)
-        return data
-    if isinstance(data, Mapping):
-        return type(data)((k, to_channels_last(v)) for k, v in data.items())
-    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return type(data)(*(to_channels_last(v) for v in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(to_channels_last(v) for v in data)
-    return data
+    return map_tensors(data, _tensor_to_channels_last)
+
+
+def _tensor_to_channels_last(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 and t.is_floating_point() else t
 
 
 def _inputs_to_channels_last(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
