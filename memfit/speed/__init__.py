@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from memfit.errors import ConfigError
+from memfit.errors import ConfigTypeError
 from memfit.speed.channels_last import apply_channels_last, to_channels_last
 from memfit.speed.compile import apply_compile, check_compiler, compile_options, compiled_modules
 from memfit.speed.cudnn import apply_cudnn_benchmark
@@ -35,7 +35,7 @@ def check_speed_levers(techniques: dict | None, compile: Any, device: torch.devi
     techniques = techniques or {}
     channels_last = techniques.get("channels_last")
     if channels_last is not None and not isinstance(channels_last, bool):
-        raise ConfigError(f"channels_last must be True or False, got {channels_last!r}")
+        raise ConfigTypeError(f"channels_last must be True or False, got {channels_last!r}")
     options = compile_options(compile)
     if options is not None:
         check_compiler(options, device)
