@@ -114,9 +114,23 @@ def apply_compile(model: nn.Module, options: dict[str, Any]) -> list[str]:
         return [""]
     for block in blocks.values():
         block.compile(**options)
+    _allow_recompiles(len(blocks))
     kinds = sorted({type(b).__name__ for b in blocks.values()})
     logger.info(f"compile: {len(blocks)} blocks compiled in place ({', '.join(kinds)})")
     return list(blocks)
+
+
+def _allow_recompiles(n_blocks: int) -> None:
+    """Let each block's forward keep a graph per block, in training and in evaluation, and per memory format.
+
+    Blocks of one type share one code object, and dynamo keeps at most ``recompile_limit`` graphs per code object
+    (8 by default) before it runs the rest eagerly with a warning. Blocks of one type but different shapes (a
+    ResNet-50 has 16 bottlenecks in 8 shapes) need a graph each, and evaluation (BatchNorm's and dropout's mode,
+    no grad) a second: 4 per block leaves room for a second memory format too."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    if getattr(config, name) < 4 * n_blocks:
+        setattr(config, name, 4 * n_blocks)
 
 
 def compiled_modules(model: nn.Module) -> list[str]:

@@ -153,3 +153,26 @@ def test_runner_trains_with_compile(tmp_path):
     after = runner.model.state_dict()
     assert not torch.equal(after["head.weight"], before["head.weight"])  # it trained
     assert all(torch.isfinite(v).all() for v in after.values() if v.is_floating_point())
+
+
+def test_blocks_of_one_type_in_many_shapes_stay_compiled_in_training_and_evaluation(monkeypatch):
+    """A ResNet-18's 8 basic blocks come in 7 shapes: with evaluation's graphs that is 14 graphs of one code
+    object, past dynamo's default limit of 8 (the rest would run eagerly). apply_compile raises the limit."""
+    import torchvision
+    from torch._dynamo.utils import counters
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    monkeypatch.setattr(config, name, 8)
+    torch._dynamo.reset()
+    counters.clear()
+    model = torchvision.models.resnet18(num_classes=4)
+    apply_compile(model, {"regional": True, "backend": "eager"})
+    x = torch.randn(2, 3, 32, 32)
+    model(x).sum().backward()
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    assert getattr(config, name) >= 14
+    assert counters["stats"]["unique_graphs"] == 14  # 7 shapes x (training, evaluation), none left eager
+    torch._dynamo.reset()
