@@ -21,6 +21,7 @@ from memfit import dist
 from memfit.errors import ConfigError, ConfigTypeError, did_you_mean, warn_ignored
 from memfit.hooks.base import Hook, get_priority
 from memfit.hooks.log_options import log_options
+from memfit.log_dir import make_log_dir
 from memfit.logger import MessageHub, get_logger, log_failure
 from memfit.model.base import BaseModel
 from memfit.registry import HOOKS, MODELS, copy_cfg
@@ -110,11 +111,7 @@ class Runner(RunnerCheckpoints):
         self.timestamp = dist.broadcast_object(time.strftime("%Y%m%d_%H%M%S"))
         self.log_dir = self.work_dir / self.timestamp
         if dist.is_main_process():
-            try:
-                self.log_dir.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:  # a parent that is a file, no permission, a read-only file system
-                raise ConfigError(f"work_dir={work_dir!r}: cannot create {self.log_dir}: {exc.strerror}: "
-                                  "set work_dir (or --work-dir) to a writable folder") from None
+            make_log_dir(self.work_dir, self.timestamp, work_dir)
         self.logger = get_logger(self.log_dir / f"{self.timestamp}.log" if dist.is_main_process() else None,
                                  log_level)
         self.message_hub = MessageHub()
