@@ -23,8 +23,12 @@ Paths:
   with ``--compile``);
 * ``+lever``: the Runner config with one lever switched on, against the ``memfit Runner`` path: for
   ResNet-50 channels_last, cudnn_benchmark, a fused AdamW; for ViT-B the fused AdamW; in fp32, ``tf32=True``
-  (and for ResNet-50 ``tf32=False``) against torch's defaults; last, ViT-B with regional ``compile=True``
-  (skipped, with a line saying so, when the time budget is nearly spent).
+  (and for ResNet-50 ``tf32=False``) against torch's defaults;
+* with ``--compile``, first (``compiled`` cases): ResNet-50 and ViT-B with regional ``compile=True`` alone and with
+  the other levers the planner gives them (channels_last and a fused AdamW; a fused AdamW), beside plain, Runner
+  and planned paths, the planner allowed to choose compiled plans.
+
+A case is skipped, with a line saying so, when the time budget is nearly spent.
 
 Method: all paths of a case live in one process and run in turn, a block of iterations each (plain, Runner,
 planned, levers, plain, ...), so they share any drift of the machine; each path's first block (building it,
@@ -120,6 +124,14 @@ def _cudnn_benchmark(cfg: dict) -> dict:
     return {**cfg, "env_cfg": {**(cfg.get("env_cfg") or {}), "cudnn_benchmark": True}}
 
 
+def _then(*edits: Any):
+    def edit(cfg: dict) -> dict:
+        for one in edits:
+            cfg = one(cfg)
+        return cfg
+    return edit
+
+
 def _fused(cfg: dict) -> dict:
     ow = cfg["optim_wrapper"]
     return {**cfg, "optim_wrapper": {**ow, "optimizer": {**ow["optimizer"], "fused": True}}}
@@ -162,9 +174,23 @@ CASES = [
     Case("resnet50 fp32", "resnet50", "fp32", "memory", [
         RUNNER, _lever("+tf32", _top(tf32=True)), _lever("tf32=False", _top(tf32=False))], 25, short=True),
     Case("vit_b16 fp32", "vit_b16", "fp32", "memory", [RUNNER, _lever("+tf32", _top(tf32=True))], 25, short=True),
-    Case("vit_b16 bf16 compile", "vit_b16", "bf16", "memory", [RUNNER, _lever("+compile", _top(compile=True))], 60,
-         short=True),
 ]
+# With --compile, first: each model's compiled paths beside the plain loop, and the planner allowed to compile.
+COMPILE_CASES = [
+    Case("resnet50 bf16 compiled", "resnet50", "bf16", "memory", [
+        PLAIN, RUNNER, PLANNED, _lever("+compile", _top(compile=True)),
+        _lever("+channels_last+fused+compile", _then(_top(channels_last=True, compile=True), _fused))], 120),
+    Case("vit_b16 bf16 compiled", "vit_b16", "bf16", "memory", [
+        PLAIN, RUNNER, PLANNED, _lever("+compile", _top(compile=True)),
+        _lever("+fused+compile", _then(_top(compile=True), _fused))], 90),
+]
+
+
+def dynamo_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (a compiled path's warm-up adds its own)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def time_left(args: argparse.Namespace) -> float:
@@ -238,6 +264,7 @@ def run_case(case: Case, args: argparse.Namespace, plans: dict, flags0: tuple) -
         log(f"{case.name}: {spec.name}: building, {warmup} warm-up steps")
         try:
             r["warmup_s"] = round(ledger.run(spec.name, lambda: path.block(warmup), warmup=True), 3)
+            r["dynamo_graphs_so_far"] = dynamo_graphs()
             paths.append((spec, path))
         except PathFailed as exc:
             r["error"] = str(exc)
@@ -354,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     flags0 = backend_flags()
     plans: dict = {}
     records = []
-    for case in CASES:
+    for case in (COMPILE_CASES if args.compile else []) + CASES:
         if args.only not in case.name:
             continue
         need = case.min_s / (10 if args.smoke else 1)
