@@ -23,8 +23,9 @@ logger = logging.getLogger("memfit")
 
 
 def resume_path(resume: bool | str | None, work_dir: Path) -> Path | None:
-    """``resume=True``: the latest checkpoint in work_dir (None if there is none); a path: that file."""
-    from memfit.checkpoint import read_latest
+    """``resume=True``: the latest checkpoint in work_dir (None if there is none); a path: that checkpoint
+    (a file or sharded directory), or the last checkpoint of the work dir it names."""
+    from memfit.checkpoint import read_latest, resolve_checkpoint
 
     if not resume:
         return None
@@ -41,7 +42,7 @@ def resume_path(resume: bool | str | None, work_dir: Path) -> Path | None:
     path = Path(resume)
     if not path.exists():
         raise CheckpointError(f"resume={str(resume)!r}: no such checkpoint file")
-    return path
+    return resolve_checkpoint(path)
 
 
 # load_from=dict(path=..., **LOAD_FROM_OPTIONS): what memfit.checkpoint.load_weights accepts.
@@ -211,12 +212,15 @@ class RunnerCheckpoints:
             self.load_weights(self.load_from)
 
     def load_weights(self, path: str | dict, strict: bool = True, **kwargs: Any) -> tuple[list[str], list[str]]:
-        """``load_from``: model weights only (memfit checkpoint, state dict or .safetensors).
+        """``load_from``: model weights only (memfit checkpoint, state dict, .safetensors, or a work dir's last).
 
         ``path`` may be ``dict(path=..., strict=..., prefix=..., revise_keys=..., key_map=...)`` (the
         config form); returns the (missing, unexpected) keys, which are also logged.
         """
+        from memfit.checkpoint import resolve_checkpoint
+
         path, options = load_from_options(path, strict=strict, **kwargs)
+        path = str(resolve_checkpoint(path))  # a work dir: its last checkpoint
         missing, unexpected = self.strategy.load_weights(self.model, path, **options)
         self.logger.info(f"Loaded weights from {path}")
         return missing, unexpected
@@ -236,7 +240,11 @@ class RunnerCheckpoints:
         return path
 
     def resume(self, path: str | Path) -> None:
-        """Restore everything ``save_checkpoint`` wrote and continue at the next unseen batch."""
+        """Restore everything ``save_checkpoint`` wrote and continue at the next unseen batch (``path``: a
+        checkpoint, or a work dir for its last)."""
+        from memfit.checkpoint import resolve_checkpoint
+
+        path = resolve_checkpoint(path)
         state = self.strategy.load_checkpoint(path)
         restore_state(self, state, path)
         self.call_hook("after_load_checkpoint", checkpoint=state)

@@ -15,6 +15,7 @@ from memfit.checkpoint.workdir import (
     find_checkpoints,
     read_latest,
     remove_old,
+    resolve_checkpoint,
     write_latest,
 )
 
@@ -34,6 +35,7 @@ __all__ = [
     "read_state_dict",
     "remap_keys",
     "remove_old",
+    "resolve_checkpoint",
     "restore_rng_state",
     "save_checkpoint",
     "to_plain",

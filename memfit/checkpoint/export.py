@@ -15,19 +15,21 @@ import torch
 from memfit._version import __version__
 from memfit.checkpoint.io import atomic_path, load_checkpoint
 from memfit.checkpoint.weights import read_state_dict
+from memfit.checkpoint.workdir import resolve_checkpoint
 from memfit.errors import CheckpointError
 
 
 def export_safetensors(checkpoint_path: str | Path, out_path: str | Path) -> Path:
     """Write the model weights of ``checkpoint_path`` to ``out_path`` (atomically) and return it.
 
-    Tensors that share storage (tied weights) are cloned, because safetensors refuses aliases, and
-    every tensor is made contiguous and moved to CPU. The file's metadata records the memfit and
-    torch versions and the source checkpoint.
+    ``checkpoint_path`` may also be a work dir: its last checkpoint is exported. Tensors that share
+    storage (tied weights) are cloned, because safetensors refuses aliases, and every tensor is made
+    contiguous and moved to CPU. The file's metadata records the memfit and torch versions and the
+    source checkpoint; the file gets the mode a checkpoint file gets (0644 under the usual umask).
     """
     from safetensors.torch import save_file
 
-    checkpoint_path, out_path = Path(checkpoint_path), Path(out_path)
+    checkpoint_path, out_path = resolve_checkpoint(checkpoint_path), Path(out_path)
     from memfit.checkpoint.deepspeed import is_deepspeed_checkpoint, read_deepspeed_state_dict
 
     # A DeepSpeed checkpoint directory is consolidated by DeepSpeed's zero_to_fp32.
@@ -50,7 +52,10 @@ def export_safetensors(checkpoint_path: str | Path, out_path: str | Path) -> Pat
         "source": str(checkpoint_path.resolve()),
     }
     with atomic_path(out_path) as tmp:
-        save_file(tensors, str(tmp), metadata=metadata)
+        tmp.touch()  # created as every checkpoint file is: 0666 less the umask
+        mode = tmp.stat().st_mode & 0o777
+        save_file(tensors, str(tmp), metadata=metadata)  # replaces it with a file of mode 0600
+        tmp.chmod(mode)
     return out_path
 
 

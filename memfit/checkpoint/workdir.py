@@ -1,4 +1,5 @@
-"""The checkpoints of a work dir: the ``last_checkpoint`` pointer, listing by position, pruning.
+"""The checkpoints of a work dir: the ``last_checkpoint`` pointer, listing by position, pruning, and
+which checkpoint a path given by the user (a file, a sharded directory or a work dir) stands for.
 
 Checkpoints are named ``epoch_{n}.pth`` / ``iter_{n}.pth`` (a sharded checkpoint is a directory of
 the same name), or by a CheckpointHook ``filename_tmpl`` such as ``ckpt_{}.pth``; the ``last_checkpoint``
@@ -12,10 +13,11 @@ from __future__ import annotations
 import logging
 import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from memfit.checkpoint.io import write_text_atomic
+from memfit.errors import CheckpointError
 
 LATEST_FILE = "last_checkpoint"
 _NAME_RE = re.compile(r"^(epoch|iter)_(\d+)(\.pth)?$")
@@ -75,6 +77,31 @@ def read_latest(work_dir: str | Path) -> Path | None:
     why = f"names {named}, which does not exist" if named is not None else "is missing or empty"
     logger.warning(f"{pointer} {why}: resuming from the newest complete checkpoint {newest}")
     return newest
+
+
+def resolve_checkpoint(path: str | Path, log: Callable[[str], None] | None = None) -> Path:
+    """The checkpoint a path given by the user stands for (``--resume``, ``resume=``, ``load_from=``,
+    ``memfit eval``, ``memfit export``): every caller resolves it here.
+
+    A file, a path that does not exist (the loader's error names it) and a sharded checkpoint directory
+    (holding ``memfit_state.pth`` or DCP's ``.metadata``) are returned as they are. A work dir (holding
+    ``last_checkpoint`` or ``epoch_N``/``iter_N`` checkpoints) gives its last checkpoint (:func:`read_latest`),
+    said in one line through ``log`` (default: the memfit logger's info). Any other directory is a
+    CheckpointError saying what was expected.
+    """
+    from memfit.checkpoint.dcp import is_dcp_checkpoint
+    from memfit.checkpoint.directory import EXTRAS_FILE, is_directory_checkpoint
+
+    path = Path(path)
+    if not path.is_dir() or is_directory_checkpoint(path) or is_dcp_checkpoint(path):
+        return path
+    latest = read_latest(path) if (path / LATEST_FILE).is_file() or find_checkpoints(path) else None
+    if latest is None:
+        raise CheckpointError(f"{path}: a directory without a checkpoint: give a checkpoint file, a sharded checkpoint "
+                              f"directory (holding {EXTRAS_FILE} or .metadata) or a work dir holding {LATEST_FILE} or "
+                              "epoch_N.pth / iter_N.pth")
+    (log or logger.info)(f"{path} is a work dir: using its last checkpoint {latest}")
+    return latest
 
 
 def checkpoint_position(path: str | Path) -> int | None:

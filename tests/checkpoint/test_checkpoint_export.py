@@ -143,5 +143,5 @@ def test_export_errors_name_the_file(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=f"checkpoint {tmp_path / 'none.pth'} does not exist"):
         export_safetensors(tmp_path / "none.pth", tmp_path / "o.safetensors")
     (tmp_path / "empty_dir").mkdir()
-    with pytest.raises(CheckpointError, match="is a directory"):
+    with pytest.raises(CheckpointError, match="empty_dir: a directory without a checkpoint: give a checkpoint file"):
         export_safetensors(tmp_path / "empty_dir", tmp_path / "o.safetensors")

@@ -14,9 +14,11 @@ from memfit.checkpoint import (
     find_checkpoints,
     read_latest,
     remove_old,
+    resolve_checkpoint,
     save_checkpoint,
     write_latest,
 )
+from memfit.errors import CheckpointError
 
 
 @pytest.fixture
@@ -103,3 +105,37 @@ def test_remove_old_with_non_positive_keep_keeps_all(tmp_path: Path) -> None:
     _touch(tmp_path, "iter_1.pth", "iter_2.pth")
     assert remove_old(tmp_path, keep=-1) == [] and remove_old(tmp_path, keep=0) == []
     assert len(find_checkpoints(tmp_path)) == 2
+
+
+def test_resolve_keeps_files_missing_paths_and_sharded_directories(tmp_path: Path) -> None:
+    _touch(tmp_path, "epoch_1.pth")
+    for name, marker in (("sharded", "memfit_state.pth"), ("dcp", ".metadata")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / marker).write_bytes(b"x")
+        assert resolve_checkpoint(tmp_path / name) == tmp_path / name
+    assert resolve_checkpoint(tmp_path / "epoch_1.pth") == tmp_path / "epoch_1.pth"
+    assert resolve_checkpoint(str(tmp_path / "none.pth")) == tmp_path / "none.pth"  # the loader names it
+
+
+def test_resolve_a_work_dir_gives_its_last_checkpoint_and_says_so(tmp_path: Path, memfit_log) -> None:
+    _touch(tmp_path, "epoch_1.pth", "epoch_2.pth")
+    write_latest(tmp_path, "epoch_1.pth")
+    assert resolve_checkpoint(tmp_path) == tmp_path / "epoch_1.pth"  # the pointer decides
+    assert f"{tmp_path} is a work dir: using its last checkpoint {tmp_path / 'epoch_1.pth'}" in memfit_log.messages
+    (tmp_path / LATEST_FILE).unlink()
+    lines: list[str] = []
+    assert resolve_checkpoint(tmp_path, log=lines.append) == tmp_path / "epoch_2.pth"  # no pointer: the newest
+    assert lines == [f"{tmp_path} is a work dir: using its last checkpoint {tmp_path / 'epoch_2.pth'}"]
+
+
+@pytest.mark.parametrize("content", ["nothing", "a log folder", "a dangling pointer"])
+def test_resolve_a_directory_without_a_checkpoint_says_what_was_expected(tmp_path: Path, content: str) -> None:
+    if content == "a log folder":
+        (tmp_path / "20250101_120000").mkdir()
+    elif content == "a dangling pointer":
+        write_latest(tmp_path, "iter_3.pth")
+    with pytest.raises(CheckpointError) as exc:
+        resolve_checkpoint(tmp_path)
+    assert str(exc.value) == (f"{tmp_path}: a directory without a checkpoint: give a checkpoint file, a sharded "
+                              "checkpoint directory (holding memfit_state.pth or .metadata) or a work dir holding "
+                              "last_checkpoint or epoch_N.pth / iter_N.pth")
