@@ -23,11 +23,12 @@ from memfit.registry import HOOKS
 _WHERE = "default_hooks.logger"
 
 
-def peak_memory_mb(device: torch.device) -> int:
-    """Peak CUDA allocation (reset after each read) on GPU; the process's peak RSS on CPU."""
+def peak_memory_mb(device: torch.device, reset: bool = True) -> int:
+    """Peak CUDA allocation (reset after the read unless ``reset=False``) on GPU; the process's peak RSS on CPU."""
     if device.type == "cuda":
         mb = torch.cuda.max_memory_allocated(device) // 2**20
-        torch.cuda.reset_peak_memory_stats(device)
+        if reset:
+            torch.cuda.reset_peak_memory_stats(device)
         return int(mb)
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
 
@@ -35,6 +36,11 @@ def peak_memory_mb(device: torch.device) -> int:
 @HOOKS.register()
 class LoggerHook(Hook):
     """Every ``interval`` iterations: ``Epoch(train) [1][ 10/196]  lr: ...  eta: ...  time: ...``.
+
+    The first iteration a run executes (the first of the run, or the first after a resume) also gets
+    that line, on the console and in the log file only, so a log (CI, a batch job) shows progress, time
+    and memory at once; the lines every ``interval`` iterations, their smoothing window and what they
+    write to the scalar files are unchanged (the early line does not reset the peak-memory counter).
 
     Scalars (smoothed over the last ``window_size`` iterations, default: the interval; MMEngine's
     ``log_processor.window_size``) also go to ``<log_dir>/scalars.jsonl`` and, when
@@ -92,6 +98,7 @@ class LoggerHook(Hook):
         self._bar = None
         self._last_val: dict[str, float] = {}
         self._started = time.perf_counter()
+        self._first_iter: int | None = None
 
     # -- files ---------------------------------------------------------------------------------
     def before_run(self, runner: Any) -> None:
@@ -152,6 +159,7 @@ class LoggerHook(Hook):
     # -- train ---------------------------------------------------------------------------------
     def before_train(self, runner: Any) -> None:
         self._started = time.perf_counter()
+        self._first_iter = runner.iter  # logged early (see the class docstring)
         what = "peak CUDA memory allocated" if runner.device.type == "cuda" else "peak process RSS (CPU)"
         runner.logger.info(f"'memory' in log lines: {what}, in MB")
         if is_main_process() and (self.progress_bar or (self.progress_bar is None and sys.stdout.isatty())):
@@ -189,7 +197,8 @@ class LoggerHook(Hook):
                else self.every_n_train_iters(runner, self.interval))
         # MMEngine: an epoch's last, incomplete interval is logged unless ignore_last, and always when the
         # whole epoch is no longer than the interval.
-        if not (due or (last_in_epoch and (not self.ignore_last or loop.iters_per_epoch <= self.interval))):
+        regular = due or (last_in_epoch and (not self.ignore_last or loop.iters_per_epoch <= self.interval))
+        if not (regular or runner.iter == self._first_iter):
             return
         window = self.window_size or self.interval
         scalars: dict[str, float] = {}
@@ -200,10 +209,11 @@ class LoggerHook(Hook):
             scalars[name] = hub.latest(key) if name in ("loss_scale", "skipped_steps") else hub.mean(key, window)
         for key in hub.keys("memory/"):  # MemoryMonitorHook's tracker numbers, when it is on
             scalars[key] = hub.latest(key)
-        scalars["memory"] = peak_memory_mb(runner.device)
+        scalars["memory"] = peak_memory_mb(runner.device, reset=regular)
         scalars["epoch"] = runner.epoch + 1
         scalars["iter"] = runner.iter + 1
-        self._write(runner.iter + 1, scalars)
+        if regular:
+            self._write(runner.iter + 1, scalars)
         runner.logger.info(self._format_train(runner, batch_idx, scalars))
 
     def _format_train(self, runner: Any, batch_idx: int, s: dict[str, float]) -> str:
