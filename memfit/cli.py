@@ -16,7 +16,15 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from memfit.errors import ConfigError, MemfitError, failure_summary, first_line
+import torch  # loaded with the memfit package anyway; --version names it
+
+from memfit._version import __version__
+from memfit.errors import CheckpointError, ConfigError, MemfitError, failure_summary, first_line
+
+DESCRIPTION = "memfit: train large vision models in the memory you have (run 'memfit COMMAND --help' for each)."
+EPILOG = ("Exit status: 0 done; 2 the input was refused before training started (the error line names the config "
+          "key, file or path and the fix); 1 a failure while running (the line says where; the traceback is in the "
+          "run's log file, --debug prints it); 130 interrupted.")
 
 
 def _load_cfg(args: argparse.Namespace) -> Any:
@@ -54,10 +62,23 @@ def _train(args: argparse.Namespace) -> int:
             print(f"memfit: --amp ignored: optim_wrapper.type is {ow.get('type')!r}", file=sys.stderr)
     if args.resume is not None:
         cfg["resume"] = True if args.resume == "auto" else args.resume
+    if args.auto_scale_lr:
+        cfg["auto_scale_lr"] = _auto_scale_lr(cfg.get("auto_scale_lr"))
     if args.auto_fit is not None:
         cfg["auto_fit"] = {**_auto_fit_cfg(cfg), **({"budget": args.auto_fit} if args.auto_fit != "free" else {})}
-    Runner.from_cfg(cfg).train()
+    from memfit.log_dir import removed_if_refused
+
+    with removed_if_refused(cfg["work_dir"]):
+        Runner.from_cfg(cfg).train()
     return 0
+
+
+def _auto_scale_lr(cfg: Any) -> dict:
+    """``--auto-scale-lr`` (MMDetection's tools/train.py): the config's ``auto_scale_lr`` with enable=True."""
+    if not (isinstance(cfg, dict) and cfg.get("base_batch_size")):
+        raise ConfigError("--auto-scale-lr: the config sets no auto_scale_lr.base_batch_size: add "
+                          "auto_scale_lr = dict(enable=False, base_batch_size=N), N the total batch size its lr is for")
+    return {**cfg, "enable": True}
 
 
 def _auto_fit_cfg(cfg: Any) -> dict:
@@ -90,21 +111,40 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from memfit.log_dir import removed_if_refused
     from memfit.runner import Runner
 
     cfg = _load_cfg(args)
-    cfg["load_from"] = args.checkpoint
-    runner = Runner.from_cfg(cfg)
-    metrics = runner.test() if cfg.get("test_dataloader") is not None else runner.val()
+    cfg["load_from"] = _eval_checkpoint(args, cfg.get("load_from"))
+    with removed_if_refused(cfg["work_dir"]):
+        runner = Runner.from_cfg(cfg)
+        metrics = runner.test() if cfg.get("test_dataloader") is not None else runner.val()
     for k, v in metrics.items():
         print(f"{k}: {float(v):.4f}")
     return 0
 
 
-def _export(args: argparse.Namespace) -> int:
-    from memfit.checkpoint import export_safetensors
+def _eval_checkpoint(args: argparse.Namespace, load_from: Any) -> Any:
+    """The checkpoint to evaluate: ``eval CFG CKPT`` (MMDetection's tools/test.py), ``--checkpoint CKPT``,
+    or else the config's ``load_from``. A path that does not exist is refused before anything is built."""
+    if args.ckpt and args.checkpoint and args.ckpt != args.checkpoint:
+        raise CheckpointError(f"eval: two checkpoints, {args.ckpt!r} and --checkpoint {args.checkpoint!r}: give one")
+    path = args.ckpt or args.checkpoint
+    if path is None:
+        if not load_from:
+            raise CheckpointError("eval: no checkpoint: memfit eval CFG CHECKPOINT (a checkpoint file, sharded "
+                              "checkpoint directory or work dir), or set load_from in the config")
+        return load_from
+    if not Path(path).exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    return path
 
-    out = export_safetensors(args.checkpoint, args.out)
+
+def _export(args: argparse.Namespace) -> int:
+    from memfit.checkpoint import export_safetensors, resolve_checkpoint
+
+    checkpoint = resolve_checkpoint(args.checkpoint, log=lambda line: print(line, file=sys.stderr))
+    out = export_safetensors(checkpoint, args.out)
     print(f"wrote {out}")
     return 0
 
@@ -139,12 +179,14 @@ def _data(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="memfit", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="memfit", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("--version", action="version", version=f"memfit {__version__} (torch {torch.__version__})",
+                        help="print memfit's and torch's versions and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def common(p: argparse.ArgumentParser) -> None:
+    def common(p: argparse.ArgumentParser, writes: str) -> None:
         p.add_argument("config", help="config file (.py or .yaml)")
-        p.add_argument("--work-dir", help="where logs and checkpoints go (default: work_dirs/<config name>)")
+        p.add_argument("--work-dir", help=f"{writes} (default: work_dirs/<config name>)")
         p.add_argument("--cfg-options", nargs="+", metavar="KEY=VALUE",
                        help="override config keys, e.g. optim_wrapper.accumulative_counts=4")
         p.add_argument("--launcher", choices=["none", "pytorch", "slurm"],
@@ -153,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on an error, print the full traceback too (it is always in the run's log file)")
 
     t = sub.add_parser("train", help="train a config")
-    common(t)
+    common(t, "where the checkpoints and the run's log folder (<timestamp>/) go")
     t.add_argument("--amp", action="store_true", help="mixed precision (AmpOptimWrapper)")
     t.add_argument("--gpus", type=int, metavar="N",
                    help="start N processes on this machine under torchrun (CPU processes with gloo when no CUDA)")
@@ -162,8 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (with --gpus)")
     t.add_argument("--master-port", type=int, default=29500, help="free port on node 0 (with --gpus)")
     t.add_argument("--rdzv-endpoint", help="host:port of a c10d rendezvous instead of --node-rank/--master-addr")
-    t.add_argument("--resume", nargs="?", const="auto", default=None,
-                   help="resume from the latest checkpoint in the work dir, or from the given file")
+    t.add_argument("--resume", nargs="?", const="auto", default=None, metavar="CHECKPOINT",
+                   help="resume from the last checkpoint in the work dir, or from CHECKPOINT: a checkpoint file, "
+                        "a sharded checkpoint directory, or a work dir (its last checkpoint)")
+    t.add_argument("--auto-scale-lr", action="store_true",
+                   help="scale the lr by the total batch size / auto_scale_lr.base_batch_size (set in the config), "
+                        "as MMDetection's --auto-scale-lr")
     t.add_argument("--auto-fit", nargs="?", const="free", metavar="BUDGET",
                    help="train with the fastest plan the planner predicts to fit BUDGET per rank (e.g. 24GiB; "
                         "default: the GPU's free memory); with --gpus N it plans for N ranks")
@@ -180,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="predict per-rank peak memory and relative step time of every plan (no GPU "
                        "needed)")
-    common(p)
+    common(p, "where plan writes its chart, plan.png, unless --png names another path")
     target(p)
     p.add_argument("--gpus", type=int, default=1, metavar="N", help="ranks per machine (default 1)")
     p.add_argument("--nodes", type=int, default=1, metavar="M", help="machines (default 1)")
@@ -195,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_plan)
 
     b = sub.add_parser("bench", help="measure plans on this device beside the planner's predictions")
-    common(b)
+    common(b, "where bench writes its table and chart, bench.csv and bench.png, unless --out names another path")
     target(b)
     b.add_argument("--plans", metavar="NAME,...", help="plans by name, e.g. 'fp32,bf16 ac:blocks,fp32 mb8x4' "
                    "(default: the configured plan and each technique alone)")
@@ -205,12 +251,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=_bench, nodes=1)
 
     e = sub.add_parser("eval", help="evaluate a checkpoint on the config's test (or val) data")
-    common(e)
-    e.add_argument("--checkpoint", required=True, help="checkpoint or weights file")
+    common(e, "where the run's log folder (<timestamp>/) goes")
+    what = "a checkpoint or weights file, a sharded checkpoint directory, or a work dir (its last checkpoint)"
+    e.add_argument("ckpt", nargs="?", metavar="CHECKPOINT", help=f"{what}; as MMDetection's tools/test.py CFG CKPT")
+    e.add_argument("--checkpoint", help=f"the same as CHECKPOINT: {what} (default: the config's load_from)")
     e.set_defaults(func=_eval)
 
     x = sub.add_parser("export", help="write a checkpoint's model weights as one .safetensors file")
-    x.add_argument("checkpoint", help="memfit checkpoint (file or sharded directory)")
+    x.add_argument("checkpoint", help="memfit checkpoint: a file, a sharded directory, or a work dir (its last "
+                   "checkpoint)")
     x.add_argument("--out", required=True, help="output .safetensors path")
     x.set_defaults(func=_export)
 
