@@ -82,16 +82,17 @@ def test_resume_from_a_work_dir_continues_after_its_last_checkpoint(trained, cap
     assert (Path("wd2") / "epoch_3.pth").is_file() and not (Path("wd2") / "epoch_1.pth").exists()
 
 
-def test_a_refused_run_leaves_no_folder_behind(trained, capsys):
+def test_a_refused_run_leaves_no_folder_behind(trained, capsys, caplog):
     cfg, _ = trained
     Path("empty").mkdir()
     code, err, _ = cli(capsys, "train", cfg, "--work-dir", "new/w", "--resume", "empty")
     assert code == 2 and len(err) == 1 and "empty: a directory without a checkpoint" in err[0]
+    assert any(m.startswith("memfit: torch") for m in caplog.messages)  # the runner was built, its folder made
     assert not Path("new").exists()  # nor work_dir's parent, created by this run
     Path("w").mkdir()
     (Path("w") / "notes.txt").write_text("mine")
     code, err, _ = cli(capsys, "train", cfg, "--work-dir", "w", "--cfg-options", "optim_wrapper.optimizer.lr=-1")
-    assert code == 2 and err == [f"memfit: error: {cfg}: optim_wrapper.optimizer: invalid learning rate: -1 (SGD)"]
+    assert code == 2 and len(err) == 1 and "invalid learning rate: -1" in err[0]
     assert sorted(os.listdir("w")) == ["notes.txt"]  # a work dir that was there stays, with what it held
 
 
