@@ -112,6 +112,10 @@ def apply_compile(model: nn.Module, options: dict[str, Any]) -> list[str]:
     if not blocks:
         model.compile(**options)
         return [""]
+    # Static shapes unless asked: blocks of one type in several shapes would otherwise make dynamo recompile
+    # them with symbolic sizes (its automatic dynamic shapes), whose kernels ran a ResNet-50 at 0.63x eager's
+    # speed on an H100 (benchmarks/gpu_throughput.py, torch 2.11); a graph per shape is what a training step needs.
+    options.setdefault("dynamic", False)
     for block in blocks.values():
         block.compile(**options)
     _allow_recompiles(len(blocks))

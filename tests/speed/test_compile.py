@@ -155,7 +155,7 @@ def test_runner_trains_with_compile(tmp_path):
     assert all(torch.isfinite(v).all() for v in after.values() if v.is_floating_point())
 
 
-def test_blocks_of_one_type_in_many_shapes_stay_compiled_in_training_and_evaluation(monkeypatch):
+def test_blocks_of_one_type_in_many_shapes_stay_compiled_in_training_and_evaluation():
     """A ResNet-18's 8 basic blocks come in 7 shapes: with evaluation's graphs that is 14 graphs of one code
     object, past dynamo's default limit of 8 (the rest would run eagerly). apply_compile raises the limit."""
     import torchvision
@@ -163,16 +163,40 @@ def test_blocks_of_one_type_in_many_shapes_stay_compiled_in_training_and_evaluat
 
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    monkeypatch.setattr(config, name, 8)
-    torch._dynamo.reset()
-    counters.clear()
-    model = torchvision.models.resnet18(num_classes=4)
-    apply_compile(model, {"regional": True, "backend": "eager"})
-    x = torch.randn(2, 3, 32, 32)
-    model(x).sum().backward()
-    model.eval()
-    with torch.no_grad():
-        model(x)
-    assert getattr(config, name) >= 14
-    assert counters["stats"]["unique_graphs"] == 14  # 7 shapes x (training, evaluation), none left eager
-    torch._dynamo.reset()
+    with config.patch(**{name: 8}):  # dynamo's default, restored after
+        torch._dynamo.reset()
+        counters.clear()
+        model = torchvision.models.resnet18(num_classes=4)
+        apply_compile(model, {"regional": True, "backend": "eager"})
+        x = torch.randn(2, 3, 32, 32)
+        model(x).sum().backward()
+        model.eval()
+        with torch.no_grad():
+            model(x)
+        assert getattr(config, name) >= 14
+        assert counters["stats"]["unique_graphs"] == 14  # 7 shapes x (training, evaluation), none left eager
+        torch._dynamo.reset()
+
+
+def test_regional_graphs_have_static_shapes_unless_dynamic_is_asked():
+    """Without dynamic=False, dynamo's automatic dynamic shapes would give a ResNet's later bottleneck shapes
+    symbolic sizes (slower kernels); memfit's regional compile keeps one static graph per shape."""
+    import torchvision
+
+    def graphs(options: dict) -> list[bool]:
+        symbolic: list[bool] = []
+
+        def backend(gm, example_inputs):
+            symbolic.append(any(isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and any(
+                isinstance(d, torch.SymInt) for d in x.shape)) for x in example_inputs))
+            return gm.forward
+
+        torch._dynamo.reset()
+        model = torchvision.models.resnet18(num_classes=4)
+        apply_compile(model, {"regional": True, "backend": backend, **options})
+        model(torch.randn(2, 3, 32, 32)).sum().backward()
+        torch._dynamo.reset()
+        return symbolic
+
+    assert graphs({}) and not any(graphs({}))  # 7 shapes, 7 static graphs
+    assert any(graphs({"dynamic": None}))  # torch's default: symbolic sizes after the first recompile
