@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from memfit import dist
+from memfit.checks import check_classes, check_eval_configs
 from memfit.errors import ConfigError, ConfigTypeError, did_you_mean, warn_ignored
 from memfit.hooks.base import Hook, get_priority
 from memfit.hooks.log_options import log_options
@@ -94,6 +95,8 @@ class Runner(RunnerCheckpoints):
         self._optim_wrapper_cfg, self._param_scheduler_cfg = optim_wrapper, param_scheduler
         self._val_evaluator_cfg, self._test_evaluator_cfg = val_evaluator, test_evaluator
         self._auto_scale_lr = auto_scale_lr
+        check_eval_configs(val=(val_dataloader, val_evaluator, val_cfg),
+                           test=(test_dataloader, test_evaluator, test_cfg))
         self.load_from, self.resume_from = load_from, resume
         self.compile, self._precision = compile, precision_options(precision)
         self.launcher = launcher = dist.resolve_launcher(launcher)
@@ -300,12 +303,7 @@ class Runner(RunnerCheckpoints):
         from memfit.evaluator import Evaluator
         from memfit.loops import EvalLoop
 
-        if loader_cfg is None or evaluator_cfg is None or loop_cfg is None:
-            given = [n for n, v in ((f"{mode}_dataloader", loader_cfg), (f"{mode}_evaluator", evaluator_cfg),
-                                    (f"{mode}_cfg", loop_cfg)) if v is not None]
-            if given:
-                self.logger.warning(f"{mode} is off: {mode}_dataloader, {mode}_evaluator and {mode}_cfg are all "
-                                    f"needed, only {', '.join(given)} given")
+        if loader_cfg is None or evaluator_cfg is None or loop_cfg is None:  # all None: check_eval_configs
             return None
         loader = self._build_dataloader(loader_cfg, f"{mode}_dataloader")
         setattr(self, f"{mode}_dataloader", loader)
@@ -329,6 +327,7 @@ class Runner(RunnerCheckpoints):
         self.train_loop = TrainLoop(self, self.train_dataloader, by_epoch=tc.by_epoch, max_epochs=tc.max_epochs,
                                     max_iters=tc.max_iters, val_interval=tc.val_interval, val_begin=tc.val_begin)
         self.val_loop = self._build_eval_loop(self._val_dataloader_cfg, self._val_evaluator_cfg, self._val_cfg, "val")
+        check_classes(self.model, train_dataloader=self.train_dataloader, val_dataloader=self.val_dataloader)
         if isinstance(self.model, BaseModel) and not (self._prepared or getattr(self.strategy, "skip_init_weights", 0)):
             self.model.init_weights()  # init_cfg (e.g. Pretrained); load_from / resume load over it
         self._prepare(with_optimizer=True)

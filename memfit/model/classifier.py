@@ -31,6 +31,16 @@ class ImageClassifier(BaseModel):
         self.backbone = MODELS.build(backbone, key="model.backbone")
         self.label_smoothing = label_smoothing
 
+    @property
+    def num_classes(self) -> int | None:
+        """How many logits the backbone outputs, where it says so (timm's ``num_classes``, a torchvision
+        ``fc`` head), else None: compared with the dataset's classes before training."""
+        declared = getattr(self.backbone, "num_classes", None)
+        if isinstance(declared, int) and not isinstance(declared, bool) and declared > 0:
+            return declared
+        head = getattr(self.backbone, "fc", None)
+        return head.out_features if isinstance(head, nn.Linear) else None
+
     def forward(self, img: torch.Tensor, label: torch.Tensor | None = None, mode: str = "tensor", **_: Any) -> Any:
         logits = self.backbone(img)
         if mode == "tensor":
