@@ -68,7 +68,7 @@ from throughput_paths import (  # noqa: E402
 )
 from throughput_planner import finish_prediction, start_prediction  # noqa: E402
 from throughput_report import report  # noqa: E402
-from timing import QUIET_HOOKS  # noqa: E402
+from timing import QUIET_HOOKS, profile_block  # noqa: E402
 
 from memfit.planner.predict import AUTO_FIT_MARGIN  # noqa: E402
 from memfit.precision.base import cpu_has_native_bf16  # noqa: E402
@@ -340,6 +340,15 @@ def run_case(case: Case, args: argparse.Namespace, plans: dict, flags0: tuple) -
             for spec, path in paths:
                 timed(spec, path)
             last = time.perf_counter() - start
+        for spec, path in paths if args.profile else ():
+            if time_left(args) < 2 * last / max(len(paths), 1) + RESERVE_S:
+                break
+            try:
+                prof = record(spec)["profile"] = profile_block(path.block, 3, top=8)
+                log(f"{case.name}: {spec.name}: {prof['cuda_ms_per_step']:.1f} ms of kernels a step "
+                    f"({prof['kernels_per_step']:.0f} kernels)")
+            except PathFailed as exc:
+                record(spec)["profile_error"] = str(exc)
     finally:
         log(f"{case.name}: closing {len(paths)} paths")
         for _, path in paths:
@@ -361,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny models, 2-step blocks: checks the script")
     parser.add_argument("--compile", action="store_true", help="let the planner choose compiled plans")
+    parser.add_argument("--profile", action="store_true", help="after a case's rounds, 3 steps of each path under "
+                        "torch.profiler: CUDA kernel ms per step and the top kernels (in the JSON)")
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting work after this many seconds "
                         "(default 270 on a GPU, 90 with --smoke)")
     parser.add_argument("--warmup", type=int, default=None, help="discarded steps per path (default 25)")

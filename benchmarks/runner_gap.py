@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_throughput import MODELS, SMOKE_MODELS, Case, plain_path, runner_cfg  # noqa: E402
 from throughput_paths import RunnerPath, backend_flags  # noqa: E402
+from timing import profile_block  # noqa: E402
 
 
 def _no_check(cfg: dict) -> dict:
@@ -67,18 +68,7 @@ def main() -> int:
             print(f"{n:34s} {m:8.0f} img/s  {m / med['plain']:.3f}x plain   rounds {[round(r) for r in rates[n]]}")
         prof = {}
         for name in ("plain", "runner"):
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                    torch.profiler.ProfilerActivity.CUDA]) as p:
-                paths[name].block(5)
-            events = p.key_averages()
-            kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
-                             key=lambda e: -e.self_device_time_total)
-            prof[name] = {"cuda_ms_per_step": sum(e.self_device_time_total for e in kernels) / 5e3,
-                          "kernels_per_step": sum(e.count for e in kernels) / 5,
-                          "top": [(e.key[:70], round(e.self_device_time_total / 5e3, 3), e.count // 5)
-                                  for e in kernels[:12]],
-                          "cpu_ops_per_step": {e.key: e.count // 5 for e in events
-                                               if e.device_type == torch.autograd.DeviceType.CPU and e.count >= 5}}
+            prof[name] = profile_block(paths[name].block, 5)
             print(f"\n{name}: {prof[name]['cuda_ms_per_step']:.2f} ms of kernels a step, "
                   f"{prof[name]['kernels_per_step']:.0f} kernels a step")
             for k, ms, c in prof[name]["top"]:

@@ -123,3 +123,20 @@ class Timers:
     def per_call_us(self, key: str, per: int) -> float:
         """Microseconds of ``key`` per ``per`` units (e.g. iterations)."""
         return 1e6 * self.seconds.get(key, 0.0) / max(per, 1)
+
+
+def profile_block(block: Callable[[int], Any], steps: int = 5, top: int = 12) -> dict:
+    """``block(steps)`` under torch.profiler: its CUDA kernels' milliseconds and count per step, the ``top``
+    kernels by device time (name, ms per step, calls per step), and the CPU operators' calls per step."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        block(steps)
+    events = prof.key_averages()
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    kernels = sorted((e for e in events if e.device_type == cuda), key=lambda e: -e.self_device_time_total)
+    return {"cuda_ms_per_step": sum(e.self_device_time_total for e in kernels) / (1e3 * steps),
+            "kernels_per_step": sum(e.count for e in kernels) / steps,
+            "top": [(e.key[:70], round(e.self_device_time_total / (1e3 * steps), 3), e.count // steps)
+                    for e in kernels[:top]],
+            "cpu_ops_per_step": {e.key: e.count // steps for e in events
+                                 if e.device_type == cpu and e.count >= steps}}
