@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
+import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import torch
 from torch import nn
 
-from memfit.errors import ConfigError, ConfigTypeError
+from memfit.errors import ConfigError, ConfigTypeError, MemfitError
 from memfit.registry import OPTIM_WRAPPER_CONSTRUCTORS, OPTIM_WRAPPERS, OPTIMIZERS, copy_cfg
 
 logger = logging.getLogger("memfit")
@@ -205,11 +208,49 @@ def build_optimizer(model: nn.Module, cfg: Any, paramwise_cfg: dict | None = Non
         optimizer = OffloadedOptimizer(params, partial(_build_one, cfg))
         logger.info(f"optimizer offload: {type(optimizer.host_optimizer).__name__}'s state and step on the host")
         return optimizer
-    return OPTIMIZERS.build(cfg, key="optim_wrapper.optimizer", params=params)
+    return _build_one(cfg, params)
 
 
 def _build_one(cfg: dict, groups: list) -> Any:
-    return OPTIMIZERS.build(cfg, key="optim_wrapper.optimizer", params=groups)
+    """The optimizer over ``groups``; a constructor error names the config key that caused it."""
+    try:
+        return OPTIMIZERS.build(cfg, key=_KEY, params=groups)
+    except ConfigError as exc:
+        if exc.__cause__ is None or isinstance(exc.__cause__, MemfitError):
+            raise
+        raise _with_key(exc, cfg) from exc.__cause__
+
+
+_KEY = "optim_wrapper.optimizer"
+
+
+def _with_key(exc: ConfigError, cfg: dict) -> ConfigError:
+    """``exc`` (``optim_wrapper.optimizer: <torch's words> (SGD)``) with the key that caused it, found by
+    building the optimizer over a probe parameter without each key in turn: the one whose removal lets
+    it build (torch's messages name the value, as 'invalid momentum value', never the key)."""
+    kind = cfg.get("type")
+    target = OPTIMIZERS.get(kind) if isinstance(kind, str) else kind
+    args = {k: v for k, v in cfg.items() if k != "type"}
+
+    def builds(kwargs: dict) -> bool:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                target([nn.Parameter(torch.zeros(1))], **kwargs)
+        except Exception:
+            return False
+        return True
+
+    if builds(args):  # the config builds alone: the cause is in the parameter groups (paramwise_cfg)
+        return exc
+    name = next((k for k in args if builds({n: v for n, v in args.items() if n != k})), None)
+    if name is None:
+        return exc
+    message = str(exc).replace(f"{_KEY}: ", f"{_KEY}.{name}={args[name]!r}: ", 1)
+    default = _default(target, name)
+    if isinstance(exc, TypeError) and isinstance(default, int | float) and not isinstance(default, bool):
+        message += f": use a number (the default is {default!r})"
+    return type(exc)(message)
 
 
 def _is_number(text: str) -> bool:
@@ -220,12 +261,15 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def _default_wd(kind: Any) -> float | None:
-    import inspect
-
-    target = OPTIMIZERS.get(kind) if isinstance(kind, str) else kind
+def _default(target: Any, name: str) -> Any:
+    """The default of ``target``'s argument ``name`` (None when it has none or cannot be read)."""
     try:
-        default = inspect.signature(target).parameters["weight_decay"].default
+        default = inspect.signature(target).parameters[name].default
     except (KeyError, TypeError, ValueError):
         return None
+    return None if default is inspect.Parameter.empty else default
+
+
+def _default_wd(kind: Any) -> float | None:
+    default = _default(OPTIMIZERS.get(kind) if isinstance(kind, str) else kind, "weight_decay")
     return default if isinstance(default, (int, float)) else None

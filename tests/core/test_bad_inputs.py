@@ -194,12 +194,12 @@ CASES = [
     ("num_workers -1", dict(train_dataloader=loader(num_workers=-1)), ConfigError,
      ["train_dataloader.num_workers must be >= 0", "got -1"]),
     ("lr -1", dict(optim_wrapper=dict(optimizer=dict(type="SGD", lr=-1))), ConfigError,
-     ["optim_wrapper.optimizer: invalid learning rate: -1 (SGD)"]),
+     ["optim_wrapper.optimizer.lr=-1: invalid learning rate: -1 (SGD)"]),
     ("momentum negative", dict(optim_wrapper=optim(momentum=-0.5)), ConfigError,
-     ["optim_wrapper.optimizer: invalid momentum value: -0.5 (SGD)"]),
+     ["optim_wrapper.optimizer.momentum=-0.5: invalid momentum value: -0.5 (SGD)"]),
     ("lr -1 with optimizer_in_backward", dict(optim_wrapper=dict(optimizer=dict(type="SGD", lr=-1)),
                                               cfg=dict(optimizer_in_backward=True)), ConfigError,
-     ["optim_wrapper.optimizer: invalid learning rate: -1 (SGD)"]),
+     ["optim_wrapper.optimizer.lr=-1: invalid learning rate: -1 (SGD)"]),
     ("scheduler milestones an int", dict(param_scheduler=[dict(type="MultiStepLR", milestones=3)]), ConfigError,
      ["param_scheduler[0]: 'int' object is not iterable (MultiStepLR)"]),
     ("max_epochs 0", dict(train_cfg=dict(by_epoch=True, max_epochs=0)), ConfigError,
@@ -266,7 +266,7 @@ def test_bad_config_is_one_line_and_loses_nothing(previous, overrides, kind, nee
 def test_constructor_error_keeps_the_original_as_cause():
     with pytest.raises(ConfigError) as exc:
         Runner.from_cfg(config(optim_wrapper=dict(optimizer=dict(type="SGD", lr=-1)))).train()
-    assert str(exc.value) == "optim_wrapper.optimizer: invalid learning rate: -1 (SGD)"
+    assert str(exc.value) == "optim_wrapper.optimizer.lr=-1: invalid learning rate: -1 (SGD)"
     assert isinstance(exc.value.__cause__, ValueError)
 
 
@@ -493,7 +493,7 @@ def cli(capsys, *argv: str) -> tuple[int, list[str], str]:
 def test_cli_config_error_names_the_config_file(tmp_path, capsys):
     cfg = write_cfg(tmp_path, lr=-1)
     code, err, _ = cli(capsys, "train", cfg, "--work-dir", "w")
-    assert code == 2 and err == [f"memfit: error: {cfg}: optim_wrapper.optimizer: invalid learning rate: -1 (SGD)"]
+    assert code == 2 and err == [f"memfit: error: {cfg}: optim_wrapper.optimizer.lr=-1: invalid learning rate: -1 (SGD)"]
 
 
 def test_cli_config_path_is_a_directory(capsys):

@@ -100,7 +100,7 @@ CASES = [
     (lambda t: build_optim_wrapper(nn.Linear(2, 2), dict(optimizer=dict(type="SGD", lr="1e-3"))), TypeError,
      r"^optim_wrapper\.optimizer\.lr='1e-3' is a string"),
     (lambda t: build_optim_wrapper(nn.Linear(2, 2), dict(optimizer=dict(type="SGD", lr=-1.0))), ValueError,
-     r"^optim_wrapper\.optimizer: invalid learning rate: -1\.0 \(SGD\)"),
+     r"^optim_wrapper\.optimizer\.lr=-1\.0: invalid learning rate: -1\.0 \(SGD\)"),
     # runner/runner.py:1473 TypeError('collate_fn should be a dict or callable object')
     (lambda t: _loader(batch_size=2, collate_fn=3), TypeError,
      r"\.collate_fn: expected a name, dict\(type=\.\.\.\) or a callable, got 3"),

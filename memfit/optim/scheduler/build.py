@@ -78,6 +78,7 @@ def _build_one(item: Any, optim_wrapper: Any, key: str, *, by_epoch_run: bool, m
         except ConfigError as exc:
             raise type(exc)(f"{key}.convert_to_iter_based: {exc}") from None
     total = max_epochs if by_epoch else max_iters
+    end_given = "end" in item
     begin, end = item.setdefault("begin", 0), item.setdefault("end", INF if total is None else total)
     for arg, value in (("begin", begin), ("end", end)):
         unit = "epochs" if by_epoch else "iterations"
@@ -86,7 +87,11 @@ def _build_one(item: Any, optim_wrapper: Any, key: str, *, by_epoch_run: bool, m
         if value < 0:
             raise ConfigError(f"{key}.{arg}={value!r}: use an int >= 0 ({unit})")
     if end <= begin:
-        raise ConfigError(f"{key}: end={end} is not after begin={begin}: the scheduler would never step")
+        if end_given:
+            raise ConfigError(f"{key}: end={end} is not after begin={begin}: the scheduler would never step")
+        source, fix = _run_length(by_epoch, by_epoch_run, max_epochs, epoch_length)
+        raise ConfigError(f"{key}: end={end}{source} is not after begin={begin}: the run ends before the scheduler "
+                          f"starts: {fix}")
     target = _iter_based(cls, epoch_length, key) if convert else cls
     # The registry checks the keys against the signature and turns constructor errors into
     # '<key>: <cause> (<Type>)'.
@@ -98,6 +103,18 @@ def _build_one(item: Any, optim_wrapper: Any, key: str, *, by_epoch_run: bool, m
         if isinstance(exc.__cause__, TypeError) and not isinstance(exc, TypeError):
             raise ConfigTypeError(str(exc)) from exc.__cause__
         raise
+
+
+def _run_length(by_epoch: bool, by_epoch_run: bool, max_epochs: int | None,
+                epoch_length: int | None) -> tuple[str, str]:
+    """Where a default ``end`` came from (the run's length in the scheduler's unit) and the fix."""
+    if by_epoch:
+        return " (end not set: train_cfg.max_epochs)", "lower begin or raise train_cfg.max_epochs"
+    if by_epoch_run and max_epochs is not None and epoch_length is not None:
+        return (f" = {max_epochs} epochs x {epoch_length} iterations (end not set: the run's length)",
+                "lower begin, or count it in epochs (by_epoch=True, convert_to_iter_based=True, begin=0) "
+                "so that it follows the run's length")
+    return " (end not set: train_cfg.max_iters)", "lower begin or raise train_cfg.max_iters"
 
 
 def scheduler_class(kind: Any, key: str) -> Any:

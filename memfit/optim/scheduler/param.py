@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from memfit.errors import ConfigError
+from memfit.errors import ConfigError, type_or_value_error
 from memfit.optim.scheduler.base import INF, ParamScheduler
 from memfit.registry import PARAM_SCHEDULERS
 
@@ -23,6 +23,11 @@ class StepParamScheduler(ParamScheduler):
 
     def __init__(self, optimizer: Any, param_name: str, step_size: int, gamma: float = 0.1, begin: int = 0,
                  end: int = INF, last_step: int = -1, by_epoch: bool = True, verbose: bool = False) -> None:
+        # MMEngine builds any step_size and fails at the first step (modulo by zero, or by a str): refused here.
+        if isinstance(step_size, bool) or not isinstance(step_size, int | float) or step_size <= 0:
+            raise type_or_value_error(f"step_size={step_size!r}: use a positive number of "
+                                      f"{'epochs' if by_epoch else 'iterations'} between two multiplications by gamma",
+                                      not isinstance(step_size, int | float))
         self.step_size, self.gamma = step_size, gamma
         super().__init__(optimizer, param_name, begin, end, last_step, by_epoch, verbose)
 
@@ -61,6 +66,8 @@ class ConstantParamScheduler(ParamScheduler):
                  last_step: int = -1, by_epoch: bool = True, verbose: bool = False) -> None:
         if factor > 1.0 or factor < 0:
             raise ValueError("Constant multiplicative factor should between 0 and 1.")
+        if factor == 0 and end != INF:  # MMEngine divides by it at step end - begin - 1 (ZeroDivisionError)
+            raise ConfigError("factor=0: the value is restored at end by dividing by factor: use a factor in (0, 1]")
         self.factor, self.total_iters = factor, end - begin - 1
         super().__init__(optimizer, param_name, begin, end, last_step, by_epoch, verbose)
 
