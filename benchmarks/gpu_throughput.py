@@ -25,8 +25,9 @@ Paths:
   ResNet-50 channels_last, cudnn_benchmark, a fused AdamW; for ViT-B the fused AdamW; in fp32, ``tf32=True``
   (and for ResNet-50 ``tf32=False``) against torch's defaults;
 * with ``--compile``, first (``compiled`` cases): ResNet-50 and ViT-B with regional ``compile=True`` alone and with
-  the other levers the planner gives them (channels_last and a fused AdamW; a fused AdamW), beside plain, Runner
-  and planned paths, the planner allowed to choose compiled plans.
+  the other levers the planner gives them (channels_last and a fused AdamW; a fused AdamW), and those levers with
+  the whole model compiled (``compile=dict(regional=False)``), beside plain, Runner and planned paths, the planner
+  allowed to choose compiled plans.
 
 A case is skipped, with a line saying so, when the time budget is nearly spent.
 
@@ -175,14 +176,17 @@ CASES = [
         RUNNER, _lever("+tf32", _top(tf32=True)), _lever("tf32=False", _top(tf32=False))], 25, short=True),
     Case("vit_b16 fp32", "vit_b16", "fp32", "memory", [RUNNER, _lever("+tf32", _top(tf32=True))], 25, short=True),
 ]
+WHOLE = dict(regional=False)  # the whole model in one graph: one compiled call a step instead of one per block
 # With --compile, first: each model's compiled paths beside the plain loop, and the planner allowed to compile.
 COMPILE_CASES = [
     Case("resnet50 bf16 compiled", "resnet50", "bf16", "memory", [
         PLAIN, RUNNER, PLANNED, _lever("+compile", _top(compile=True)),
-        _lever("+channels_last+fused+compile", _then(_top(channels_last=True, compile=True), _fused))], 120),
+        _lever("+channels_last+fused+compile", _then(_top(channels_last=True, compile=True), _fused)),
+        _lever("+channels_last+fused+compile whole", _then(_top(channels_last=True, compile=WHOLE), _fused))], 150),
     Case("vit_b16 bf16 compiled", "vit_b16", "bf16", "memory", [
         PLAIN, RUNNER, PLANNED, _lever("+compile", _top(compile=True)),
-        _lever("+fused+compile", _then(_top(compile=True), _fused))], 90),
+        _lever("+fused+compile", _then(_top(compile=True), _fused)),
+        _lever("+fused+compile whole", _then(_top(compile=WHOLE), _fused))], 110),
 ]
 
 
