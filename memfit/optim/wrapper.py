@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 
 from memfit.errors import ConfigError, ConfigTypeError, type_or_value_error, warn_ignored
 from memfit.precision import Precision, amp_precision, parse_dtype
+from memfit.precision.scaler import check_loss_scale
 from memfit.registry import OPTIM_WRAPPERS
 
 logger = logging.getLogger("memfit")
@@ -285,6 +286,7 @@ class AmpOptimWrapper(OptimWrapper):
             warn_ignored("optim_wrapper.use_fsdp", "the strategy decides FSDP (strategy='fsdp' or "
                          "dict(type='FSDPStrategy')); the loss scaling follows the strategy")
         self.dtype = parse_dtype(dtype, "optim_wrapper.dtype")
+        check_loss_scale(loss_scale)  # whatever the dtype: a bad value fails when the wrapper is built
         self.loss_scale = loss_scale
         self.fp32_modules = list(fp32_modules or [])
 

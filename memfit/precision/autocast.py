@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.errors import ConfigError
+from memfit.errors import ConfigError, warn_ignored
 from memfit.precision.base import Precision, cpu_has_native_bf16, default_amp_dtype, dtype_name
 from memfit.precision.scaler import ScaledPrecision, check_loss_scale
 
@@ -29,11 +29,21 @@ def amp_precision(dtype: torch.dtype | None, device_type: str, loss_scale: str |
     if dtype is None:
         dtype = default_amp_dtype(device_type)
         if dtype is None:
+            _unused_loss_scale(loss_scale, "this CPU's default is float32 (no bf16 autocast without native bf16)")
             return Precision(device_type)
     elif device_type == "cpu" and dtype is torch.bfloat16 and not cpu_has_native_bf16():
         logger.warning(f"bfloat16 autocast on this CPU ({torch.backends.cpu.get_cpu_capability()}) is emulated: its "
                        "memory savings hold, its speed does not (measured 6.5x slower than fp32)")
+    if dtype is torch.bfloat16:
+        _unused_loss_scale(loss_scale, "bfloat16 has float32's range and is trained without loss scaling")
     return AutocastPrecision(dtype, device_type, loss_scale, fp32_modules)
+
+
+def _unused_loss_scale(loss_scale: Any, why: str) -> None:
+    """A loss_scale set for a run that scales nothing: said once (the value was checked all the same)."""
+    if loss_scale != "dynamic":
+        warn_ignored(f"optim_wrapper.loss_scale={loss_scale!r}", f"{why}: remove it, or set "
+                     "optim_wrapper.dtype='float16' to train with a scaled loss")
 
 
 class AutocastPrecision(ScaledPrecision):

@@ -67,8 +67,6 @@ def precision_options(cfg: Any) -> dict[str, Any] | None:
         raise ConfigError(f"precision.opt_level={level!r}: {hint}")
     loss_scale = cfg.get("loss_scale", "dynamic")
     check_loss_scale(loss_scale, "precision.loss_scale")
-    if isinstance(loss_scale, int | float) and loss_scale <= 0:
-        raise ConfigError(f"precision.loss_scale={loss_scale!r}: a fixed scale must be positive")
     dtype = parse_dtype(cfg.get("dtype"), "precision.dtype")
     if dtype is torch.float32:
         raise ConfigError("precision.dtype='float32': use opt_level='O0' for fp32, or 'float16'/'bfloat16'")

@@ -8,18 +8,38 @@ host sync) and, with a dynamic scale, the scale halves. bf16 has fp32's range: n
 
 from __future__ import annotations
 
+import inspect
+import math
 from typing import Any
 
 import torch
 
-from memfit.errors import ConfigError
+from memfit.errors import ConfigError, did_you_mean, type_or_value_error
 from memfit.precision.base import Precision
 
 
 def check_loss_scale(loss_scale: Any, key: str = "optim_wrapper.loss_scale") -> None:
-    """'dynamic', a positive number (a fixed scale) or GradScaler keyword arguments."""
+    """'dynamic', a positive number (a fixed scale) or GradScaler keyword arguments (a positive
+    ``init_scale``): checked whatever the dtype, so a bad value fails before training, not at fp16's
+    first step (or never, with bf16, which scales nothing)."""
     if not (loss_scale == "dynamic" or isinstance(loss_scale, int | float | dict)) or isinstance(loss_scale, bool):
         raise ConfigError(f"{key}={loss_scale!r}: use 'dynamic', a number or a dict")
+    if isinstance(loss_scale, dict):
+        valid = [n for n in inspect.signature(torch.amp.GradScaler).parameters if n != "device"]
+        for name in loss_scale:
+            if name not in valid:
+                raise ConfigError(f"{key}: unknown key {name!r}: {did_you_mean(str(name), valid)} "
+                                  "(the dict holds torch.amp.GradScaler's arguments)")
+        if "init_scale" not in loss_scale:
+            return
+        scale, key = loss_scale["init_scale"], f"{key}.init_scale"
+    elif loss_scale == "dynamic":
+        return
+    else:
+        scale = loss_scale
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0 < scale < math.inf:
+        raise type_or_value_error(f"{key}={scale!r}: a fixed scale must be positive (e.g. 512.0), or use 'dynamic'",
+                                  not isinstance(scale, int | float))
 
 
 class ScaledPrecision(Precision):

@@ -38,6 +38,7 @@ from memfit.errors import CheckpointError, ConfigError, warn_ignored
 from memfit.precision import APEX_OPT_LEVELS, AutocastPrecision, HalfPrecision, Precision, dtype_name, parse_dtype
 from memfit.registry import STRATEGIES
 from memfit.strategies.base import Strategy
+from memfit.strategies.deepspeed_config import check_deepspeed_config, deepspeed_config_error
 from memfit.strategies.deepspeed_half import cast_inputs, keep_batchnorm_fp32
 from memfit.strategies.route import route_forward
 
@@ -114,6 +115,7 @@ class DeepSpeedStrategy(Strategy):
         """DeepSpeed always needs a process group: join torchrun's (also when ``launcher='none'``, as
         the seeds' FlexibleRunner scripts run it) or make a one-process group."""
         import_deepspeed()
+        check_deepspeed_config(self.ds_config)  # DeepSpeed's own validation, before anything is built
         super().setup_env(dist.launcher_with_group(launcher), env_cfg)
         import deepspeed
 
@@ -154,7 +156,8 @@ class DeepSpeedStrategy(Strategy):
                                   "optim_wrapper=dict(type='AmpOptimWrapper') (torch autocast)")
             logger.warning(_HALF_WARNING.format(mode=precision.name[:4].replace("-", ""),
                                                 dtype=dtype_name(precision.dtype)))
-        elif isinstance(precision, AutocastPrecision) and precision.loss_scale != "dynamic":
+        elif (isinstance(precision, AutocastPrecision) and precision.dtype is torch.float16
+              and precision.loss_scale != "dynamic"):  # bf16 scales nothing: amp_precision warned
             raise ConfigError(f"optim_wrapper.loss_scale={precision.loss_scale!r}: DeepSpeed's torch_autocast uses a "
                               "dynamic GradScaler; remove loss_scale")
 
@@ -163,6 +166,7 @@ class DeepSpeedStrategy(Strategy):
         """Build the DeepSpeed config from memfit's settings and hand the model and the wrapper's torch
         optimizer to ``deepspeed.initialize``; the model's forward then runs through the engine."""
         import deepspeed
+        import pydantic
 
         counts = optim_wrapper.accumulative_counts if optim_wrapper is not None else 1
         clip = optim_wrapper.clip_grad if optim_wrapper is not None else None
@@ -170,8 +174,11 @@ class DeepSpeedStrategy(Strategy):
             raise ConfigError(f"optim_wrapper.clip_grad={clip!r}: DeepSpeed clips by the L2 norm only (norm_type=2)")
         config = self.build_config(counts, clip)
         optimizer = optim_wrapper.optimizer if optim_wrapper is not None else None
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
-                                               dist_init_required=False)
+        try:
+            self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                                   dist_init_required=False)
+        except pydantic.ValidationError as exc:  # a key memfit filled in: still one line naming it
+            raise deepspeed_config_error(exc) from exc
         if self.half_dtype is not None and self.bn_fp32:
             keep_batchnorm_fp32(self.engine.module)
         route_forward(model, self.engine, prepare=self._cast_call)

@@ -176,7 +176,7 @@ def test_no_clip_grad_means_no_clipping_and_the_strategy_key_still_works():
     (dict(torch_autocast=dict(enabled=True, dtype="float16")), dict(type="AmpOptimWrapper", dtype="bfloat16"),
      "disagree"),
     (dict(amp=dict(enabled=True)), dict(type="AmpOptimWrapper", dtype="bfloat16"), "disagree"),
-    ({}, dict(type="AmpOptimWrapper", dtype="bfloat16", loss_scale=512.0), "dynamic GradScaler"),
+    ({}, dict(type="AmpOptimWrapper", dtype="float16", loss_scale=512.0), "dynamic GradScaler"),
 ])
 def test_config_errors_name_the_key(kwargs, wrapper, match):
     s = _strategy(**kwargs)
