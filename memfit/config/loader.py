@@ -264,6 +264,8 @@ def _load_yaml(path: Path) -> dict:
         mark = getattr(e, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        if "'\\t'" in problem:  # YAML forbids tabs in indentation; the parser's words do not say so
+            problem += ": YAML indents with spaces: replace the tab with spaces"
         raise ConfigError(f"config {path}{line}: {problem}") from None
     if data is None:
         return {}

@@ -24,6 +24,16 @@ from memfit.registry import DATASETS
 _FILTER_KEYS = ("filter_empty_gt", "min_size")
 
 
+def _missing_hint(ann_file: str) -> str:
+    """The fix for a missing annotation file: the command that writes the built-in shapes as COCO when the
+    path is theirs (``<root>/annotations/instances_<split>.json`` under a folder named like shapes_coco)."""
+    root = os.path.dirname(os.path.dirname(ann_file))
+    if "shapes_coco" in os.path.basename(os.path.normpath(root)):
+        return (f"write the synthetic shapes there with `memfit data shapes-coco --out {root} --image-size 96 "
+                "--num 2400` (the detection demo's data), or check data_root and ann_file")
+    return "check data_root and ann_file"
+
+
 @DATASETS.register()
 class CocoDataset(Dataset):
     """COCO detection: item ``i`` is image ``i``'s data info through ``pipeline`` (ending in PackDetInputs:
@@ -67,7 +77,7 @@ class CocoDataset(Dataset):
                 raise ConfigError(f"CocoDataset: filter_cfg: unknown key {k!r}: {did_you_mean(k, _FILTER_KEYS)}")
         if not ann_file or not os.path.isfile(self.ann_file):
             raise ConfigError(f"CocoDataset: ann_file {self.ann_file or '(empty)'!r} does not exist: "
-                              f"check data_root and ann_file")
+                              f"{_missing_hint(self.ann_file)}")
         self._load(metainfo or {}, filter_cfg)
         self.pipeline = build_det_pipeline(list(pipeline), "pipeline")
         if len(self) and not os.path.isfile(self._path(0)):
