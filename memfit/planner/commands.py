@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import ConfigError
-from memfit.planner.devices import Device, custom_gpu, gpu, parse_bytes, this_cpu
+from memfit.planner.devices import Device, GiB, custom_gpu, gpu, parse_bytes, this_cpu
 from memfit.planner.space import LEVER_WORDS, OFFLOADS, PRECISIONS, SHARDINGS, Plan
 
 
@@ -32,9 +32,15 @@ def _device(args: Any) -> Device:
     return device
 
 
+NO_PLAN_FITS = 3  # ``memfit plan``'s exit status when no plan fits the budget (2: refused input, 1: failed)
+
+
 def plan_command(args: Any, cfg: dict) -> int:
+    """Print the plans, the recommendation and the notes, write the chart (two or more plans) and the JSON;
+    0, or :data:`NO_PLAN_FITS` with one line on stderr naming the budget and the smallest predicted peak."""
+    from memfit.planner.chart import write_png
     from memfit.planner.predict import predict
-    from memfit.planner.report import footer, plan_table, summary, write_json, write_png
+    from memfit.planner.report import footer, plan_table, verdict, write_json
 
     device = _device(args)
     budget = parse_bytes(args.budget) if args.budget else None
@@ -46,15 +52,22 @@ def plan_command(args: Any, cfg: dict) -> int:
     if shown < len(pred.results):
         print(f"({shown} fastest of {len(pred.results)} plans; --all shows every one)")
     print(footer(pred))
-    print(summary(pred))
+    if pred.recommended is not None:
+        print(verdict(pred))
+    for note in pred.notes:
+        print(f"note: {note}")
     print(f"planned for {pred.input.describe()}")
     print(f"planned in {pred.seconds:.1f} s ({pred.fake_steps} fake steps); peak = "
           + ("reserved + CUDA context + NCCL buffers (see docs/planner.md)" if device.cuda else "live tensor bytes"))
-    work = Path(cfg["work_dir"])
-    png = write_png(pred, args.png or work / "plan.png")
-    print(f"wrote {png}")
+    png = write_png(pred, args.png or Path(cfg["work_dir"]) / "plan.png")
+    print(f"wrote {png}" if png else "no chart: one plan has nothing to compare (leave out --as-is to chart every "
+          "plan)")
     if args.json:
         print(f"wrote {write_json(pred, args.json)}")
+    if pred.recommended is None:
+        sys.stdout.flush()
+        print(f"memfit: {verdict(pred)}", file=sys.stderr)
+        return NO_PLAN_FITS
     return 0
 
 
@@ -121,7 +134,7 @@ def bench_command(args: Any, cfg: dict) -> int:
     from memfit.planner.inputs import Inputs
     from memfit.planner.levers import allowed_levers
     from memfit.planner.predict import predict
-    from memfit.planner.report import GB, write_csv
+    from memfit.planner.report import write_csv
     from memfit.planner.space import ModelFacts, configured_plan
 
     device = _device(args)
@@ -140,15 +153,15 @@ def bench_command(args: Any, cfg: dict) -> int:
     rows = []
     for m in measured:
         p = predicted.get(m.plan)
-        row = {"plan": m.plan.name, "measured_peak_gb": round(m.peak_bytes / GB, 4),
-               "predicted_peak_gb": round((p.allocated if p else 0) / GB, 4),
+        row = {"plan": m.plan.name, "measured_peak_gib": round(m.peak_bytes / GiB, 4),
+               "predicted_peak_gib": round((p.allocated if p else 0) / GiB, 4),
                "peak_error_pct": round(100 * ((p.allocated if p else 0) - m.peak_bytes) / m.peak_bytes, 2) if p else "",
                "measured_rel_time": round(m.rel_step_time, 3),
                "predicted_rel_time": round(p.seconds / base_pred.seconds, 3) if p and base_pred else "",
                "step_seconds": round(m.seconds, 4)}
         if cuda:
-            row["measured_reserved_gb"] = round(m.reserved / GB, 4)
-            row["predicted_reserved_gb"] = round((p.reserved if p else 0) / GB, 4)
+            row["measured_reserved_gib"] = round(m.reserved / GiB, 4)
+            row["predicted_reserved_gib"] = round((p.reserved if p else 0) / GiB, 4)
         rows.append(row)
     print("| " + " | ".join(rows[0]) + " |")
     print("|" + "---|" * len(rows[0]))
@@ -174,12 +187,12 @@ def _bench_png(rows: list[dict], path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(8, 0.4 * len(rows) + 1.5))
     names = [r["plan"] for r in rows][::-1]
-    ax.barh(names, [r["measured_peak_gb"] for r in rows][::-1], color="tab:blue", label="measured")
-    ax.scatter([r["predicted_peak_gb"] for r in rows][::-1], names, color="tab:red", zorder=3, label="predicted")
+    ax.barh(names, [r["measured_peak_gib"] for r in rows][::-1], color="tab:blue", label="measured")
+    ax.scatter([r["predicted_peak_gib"] for r in rows][::-1], names, color="tab:red", zorder=3, label="predicted")
     for y, r in enumerate(rows[::-1]):
-        ax.annotate(f"{r['measured_rel_time']:.2f}x", (r["measured_peak_gb"], y), fontsize=7, xytext=(4, -3),
+        ax.annotate(f"{r['measured_rel_time']:.2f}x", (r["measured_peak_gib"], y), fontsize=7, xytext=(4, -3),
                     textcoords="offset points")
-    ax.set_xlabel("peak GB (bars: measured, dots: predicted); labels: measured step time ratio")
+    ax.set_xlabel("peak GiB (bars: measured, dots: predicted); labels: measured step time ratio")
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -72,8 +72,9 @@ def _gpu(name: str, gib: float, fp32: float, half: float, mem_bw: float, link_bw
     return Device(name, int(gib * GiB), tflops, mem_bw, link_bw, host_bw, family=family)
 
 
-# Vendor data sheets: memory, dense (no sparsity) fp32 / fp16-bf16 tensor TFLOPs with fp32 accumulation,
-# memory bandwidth, interconnect (NVLink per GPU, else PCIe), host link (PCIe), and dense TF32 tensor TFLOPs
+# Vendor data sheets: memory in GiB (the sheets' "24 GB" is binary: nvidia-smi shows a 4090's 24564 MiB),
+# dense (no sparsity) fp32 / fp16-bf16 tensor TFLOPs with fp32 accumulation, memory bandwidth (GB/s, 10^9),
+# interconnect (NVLink per GPU, else PCIe), host link (PCIe), and dense TF32 tensor TFLOPs
 # (half the sheets' "with sparsity" figures): NVIDIA A100 data sheet (156), H100 data sheet (SXM 494.7,
 # PCIe 378), H200 data sheet (494.7, the H100 SXM's tensor cores), L40S data sheet (183), Ada whitepaper
 # (RTX 4090: 82.6), GA102 whitepaper (RTX 3090: 35.6), A10 data sheet (62.5), L4 data sheet (60), RTX A6000
@@ -96,15 +97,31 @@ GPUS: dict[str, Device] = {d.name: d for d in (
 )}
 
 
+# Size units, case-insensitive: binary (KiB = 2^10 ... TiB = 2^40 bytes, as GPUs' memory is counted) and
+# decimal (KB = 10^3 ... TB = 10^12, as the SI and disk makers write them); "B" alone is a byte count.
+UNITS = {"b": 1, "kib": 2**10, "mib": MiB, "gib": GiB, "tib": 2**40,
+         "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
 def parse_bytes(text: str | int | float, key: str = "--budget") -> int:
-    """'24GiB', '24GB' (both read as GiB, as nvidia-smi's "24GB" cards hold 24 GiB), '500MiB', or bytes."""
+    """A size with its unit, in bytes: '24GiB' (2^30 bytes each), '24GB' (10^9: 22.35 GiB), '500MiB',
+    '1.5TiB', '4096B'; units are case-insensitive. A number without a unit is refused (``--budget 24`` would
+    otherwise be 24 bytes), a Python int included: write ``f'{n}B'`` for a byte count."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
-        return int(text)
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", str(text))
+        raise ConfigError(f"{key}={text!r}: a size needs a unit; write it as a string: '{text}B' (bytes), or e.g. "
+                          "'24GiB' (2^30 bytes) or '24GB' (10^9 bytes)")
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text) if isinstance(text, str) else None
     if not m:
-        raise ConfigError(f"{key}={text!r}: not a size; write e.g. 24GiB, 24GB or 500MiB")
-    scale = {"": 1, "k": 2**10, "m": MiB, "g": GiB, "t": 2**40}[m.group(2).lower()]
-    return int(float(m.group(1)) * scale)
+        raise ConfigError(f"{key}={text!r}: not a size; write e.g. 24GiB (2^30 bytes), 24GB (10^9 bytes) or 500MiB")
+    num, unit = m.groups()
+    if unit.lower() not in UNITS:
+        what = "a size needs a unit" if not unit else f"{unit!r} is not a unit"
+        raise ConfigError(f"{key}={text!r}: {what}: {num}GiB (2^30 bytes) or {num}GB (10^9 bytes); also MiB, MB, "
+                          "TiB, KiB and B (bytes)")
+    n = int(float(num) * UNITS[unit.lower()])
+    if n <= 0:
+        raise ConfigError(f"{key}={text!r}: a size must be more than 0 bytes")
+    return n
 
 
 def gpu(name: str) -> Device:
@@ -122,8 +139,8 @@ def gpu(name: str) -> Device:
 
 
 def custom_gpu(memory: int, like: str = "4090") -> Device:
-    """A GPU known only by its memory: the speeds of ``like`` (a 24 GB consumer card by default)."""
-    return replace(GPUS[like], name=f"GPU {memory / GiB:.0f}GiB", memory=memory)
+    """A GPU known only by its memory: the speeds of ``like`` (a 24 GiB consumer card by default)."""
+    return replace(GPUS[like], name=f"GPU {memory / GiB:.4g} GiB", memory=memory)
 
 
 def current_cuda() -> Device:

@@ -71,7 +71,7 @@ def squeezed(trained, tmp_path_factory):
     budget = math.ceil((min(peaks) + fastest["peak_bytes"]) / 2 / (1 - AUTO_FIT_MARGIN))
     assert min(peaks) < budget < max(peaks)
     work = tmp_path_factory.mktemp("autofit_squeezed")
-    fitted, line = apply_auto_fit({**cfg, "work_dir": str(work)}, dict(budget=budget))
+    fitted, line = apply_auto_fit({**cfg, "work_dir": str(work)}, dict(budget=f"{budget}B"))
     return budget, fitted, json.loads((work / "auto_fit.json").read_text()), line
 
 
@@ -102,9 +102,9 @@ def test_nothing_fits_is_one_line_naming_the_closest_plan(trained, tiny_config, 
     code = main(["train", str(tiny_config(tmp_path)), "--auto-fit", "100KiB"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
-    assert err[0].startswith("memfit: error: ") and "auto_fit: no plan fits 0.1 MB per rank" in err[0], err[0]
+    assert err[0].startswith("memfit: error: ") and "auto_fit: no plan fits 0.1 MiB per rank" in err[0], err[0]
     # The closest plan by name and peak (plans of equal peak may swap places: any of them will do).
-    found = re.search(r"the smallest is '([^']+)' at ([0-9.]+) MB", err[0])
+    found = re.search(r"the smallest is '([^']+)' at ([0-9.]+) MiB", err[0])
     assert found, err[0]
     closest = [p for p in doc["plans"] if p["peak_bytes"] == smallest]
     assert found.group(1) in {p["name"] for p in closest}, (found.group(1), closest)

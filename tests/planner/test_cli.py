@@ -51,8 +51,8 @@ def test_plan_prints_the_table_and_the_recommendation(planned):
     best = doc["plans"][doc["recommended"]]
     assert starred[0].startswith(f"| {best['name']}")
     summary = next(line for line in lines if line.startswith("recommended ("))
-    assert re.fullmatch(rf"recommended \(1 x cpu \(\w+\), budget [0-9.]+ GB per rank\): {re.escape(best['name'])}, "
-                        r"peak [0-9.]+ MB, [0-9.]+x the configured step time", summary), summary
+    assert re.fullmatch(rf"recommended \(1 x cpu \(\w+\), budget [0-9.]+ GiB per rank\): {re.escape(best['name'])}, "
+                        r"peak [0-9.]+ MiB, [0-9.]+x the configured step time", summary), summary
     assert f"wrote {d / 'chart.png'}" in out and f"wrote {d / 'plan.json'}" in out
     assert "planned for input 1x3x32x32 (derived)" in lines  # what every row was planned for
     assert ("speed levers: none; off: compile (its memory is not predicted: ask with --compile), channels_last "
@@ -92,7 +92,8 @@ def test_plan_as_is_predicts_the_configured_plan_only(tiny_config, tmp_path, pla
     assert doc["plans"][0]["peak_bytes"] == configured["peak_bytes"]
     assert [p["name"] for p in doc["plans"]] == ["fp32 mb1x1"] and doc["recommended"] == 0
     assert "| fp32 mb1x1 (configured) * |" in out
-    assert (tmp_path / "work" / "plan.png").read_bytes()[:8] == PNG  # the chart's default place: WORK_DIR
+    assert "no chart: one plan has nothing to compare (leave out --as-is to chart every plan)" in out.splitlines()
+    assert not (tmp_path / "work" / "plan.png").exists() and "plan.png" not in out
 
 
 def test_plan_for_8_h100s_adds_the_cuda_figures(tiny_config, tmp_path):
@@ -107,7 +108,7 @@ def test_plan_for_8_h100s_adds_the_cuda_figures(tiny_config, tmp_path):
         b = plan["breakdown"]
         assert b["cuda_context"] > 0 and b["nccl"] > 0 and b["workspace"] > 0 and b["allocator_slack"] > 0
         assert plan["peak_bytes"] == sum(b.values())  # the tensors plus what CUDA holds beside them
-    assert "recommended (8 x H100, budget 40.00 GB per rank): " in out
+    assert "recommended (8 x H100, budget 40.00 GiB per rank): " in out
 
 
 def test_plan_compile_lists_compiled_twins_with_their_eager_memory(tiny_config, tmp_path, planned):
@@ -122,7 +123,7 @@ def test_plan_compile_lists_compiled_twins_with_their_eager_memory(tiny_config, 
         assert twin["memory"] == "eager plan's"
         assert twin["name"].replace(" compile", "") in eager
     rows = [line for line in out.splitlines() if line.startswith("| ") and " compile " in line]
-    assert len(rows) == len(twins) and all(re.search(r"\| [0-9.]+ [MG]B \(eager\) \|", r) for r in rows), rows[:2]
+    assert len(rows) == len(twins) and all(re.search(r"\| [0-9.]+ [MG]iB \(eager\) \|", r) for r in rows), rows[:2]
     assert "(eager): a compiled plan's memory is its eager plan's (torch.compile's graphs are not predicted; " \
         "docs/planner.md)" in out
 
@@ -130,6 +131,7 @@ def test_plan_compile_lists_compiled_twins_with_their_eager_memory(tiny_config, 
 @pytest.mark.parametrize("flag,value,message", [
     ("--gpu", "h900", "--gpu 'h900': not in the planner's table"),
     ("--budget", "lots", "--budget='lots': not a size"),
+    ("--budget", "24", "--budget='24': a size needs a unit: 24GiB (2^30 bytes) or 24GB (10^9 bytes)"),
     ("--input-shape", "1x3x32", "--input-shape='1x3x32': give the image batch as BxCxHxW (e.g. 2x3x800x1344) or HxW"),
 ])
 def test_bad_target_or_budget_is_one_line_exit_2(tiny_config, tmp_path, flag, value, message):
@@ -148,7 +150,7 @@ def test_bench_prints_measured_beside_predicted_and_writes_csv_png(tiny_config, 
     assert "measured on input 1x3x32x32 (derived)" in out.splitlines()
     lines = [line for line in out.splitlines() if line.startswith("|")]  # a runner's logger may print too
     head = [c.strip() for c in lines[0].strip("|").split("|")]
-    assert head[:6] == ["plan", "measured_peak_gb", "predicted_peak_gb", "peak_error_pct", "measured_rel_time",
+    assert head[:6] == ["plan", "measured_peak_gib", "predicted_peak_gib", "peak_error_pct", "measured_rel_time",
                         "predicted_rel_time"]
     assert [line.split(" | ")[0] for line in lines[2:4]] == ["| fp32 mb1x1", "| fp32 ac:blocks mb1x1"]
     with (tmp_path / "bench.csv").open() as f:
