@@ -43,9 +43,11 @@ optim_wrapper = dict(
     paramwise_cfg=dict(norm_decay_mult=0.0, bias_decay_mult=0.0),
     clip_grad=dict(max_norm=5.0),
 )
+# Warm-up over the first 100 iterations, and a cosine over the whole run counted in epochs (stepped every
+# iteration): valid for any run length (--cfg-options train_cfg.max_epochs=1), as MMDetection writes its schedules.
 param_scheduler = [
     dict(type='LinearLR', start_factor=0.01, by_epoch=False, begin=0, end=100),
-    dict(type='CosineAnnealingLR', by_epoch=False, begin=100, eta_min=1e-5),
+    dict(type='CosineAnnealingLR', by_epoch=True, convert_to_iter_based=True, eta_min=1e-5),
 ]
 
 default_hooks = dict(

@@ -57,9 +57,9 @@ optim_wrapper = dict(
     paramwise_cfg=dict(norm_decay_mult=0.0, bias_decay_mult=0.0),
     clip_grad=dict(max_norm=10.0),
 )
-param_scheduler = [
+param_scheduler = [  # warm-up by iterations, the cosine over the whole run: valid for any run length
     dict(type='LinearLR', start_factor=0.01, by_epoch=False, begin=0, end=30),
-    dict(type='CosineAnnealingLR', by_epoch=False, begin=30, eta_min=2e-5),
+    dict(type='CosineAnnealingLR', by_epoch=True, convert_to_iter_based=True, eta_min=2e-5),
 ]
 default_hooks = dict(
     logger=dict(type='LoggerHook', interval=20),
