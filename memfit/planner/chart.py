@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from memfit.planner.devices import GiB, MiB
+from memfit.planner.predict import AUTO_FIT_MARGIN
+from memfit.planner.report import size
 from memfit.planner.results import Prediction
 
 MAX_LABELS = 8  # Pareto points named beside the chart
@@ -58,7 +60,6 @@ def plan_figure(pred: Prediction) -> Any:
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    from memfit.planner.report import size
 
     results = pred.results
     times = [r.rel_step_time for r in results]
@@ -93,10 +94,11 @@ def plan_figure(pred: Prediction) -> Any:
     names = labelled(front, {chosen})
     ax.scatter([times[i] for i in names], [peaks[i] for i in names], s=36, facecolors="none",
                edgecolors="tab:blue", linewidths=1.2)
-    for n, i in enumerate(names, 1):  # numbers below-left of the front (empty there), alternating when crowded
-        below = (n % 2 == 1 or i == chosen) and times[i] > left * 1.08
-        if times[i] > right / 1.15:
-            below = True
+    for n, i in enumerate(names, 1):
+        # Below-left of the front is empty: odd numbers go there, even ones above-right (neighbours apart),
+        # the chosen plan's below-left (its star), and none off the axes' left or right edge.
+        at_left, at_right = times[i] < left * 1.08, times[i] > right / 1.15
+        below = at_right or (not at_left and (n % 2 == 1 or i == chosen))
         ax.annotate(str(n), (times[i], peaks[i]), xytext=(-9, -12) if below else (5, 4),
                     textcoords="offset points", fontsize=8, color="tab:blue", weight="bold")
 
@@ -110,12 +112,12 @@ def plan_figure(pred: Prediction) -> Any:
 
     top = max(peaks[i] for i in range(len(results)) if i not in clipped) * 1.12
     budget = pred.budget / scale
-    margin = budget * 0.95
+    margin = budget * (1 - AUTO_FIT_MARGIN)
     if budget <= 2 * top:
         top = max(top, budget * 1.08)
         ax.axhline(budget, color="tab:red", linestyle="--", linewidth=1.2, label=f"budget {size(pred.budget)}")
         ax.axhline(margin, color="tab:red", linestyle=":", linewidth=0.8,
-                   label="budget less 5% (the recommendation's limit)")
+                   label=f"budget less {AUTO_FIT_MARGIN:.0%} (the recommendation's limit)")
         budget_note = ""
     else:
         budget_note = f"budget {size(pred.budget)}: far above every plan (not drawn)"
@@ -140,18 +142,26 @@ def plan_figure(pred: Prediction) -> Any:
         span = f"{min(slow):.3g}x" + (f" to {max(slow):.3g}x" if len(slow) > 1 else "")
         labels.append(f"{len(slow)} slower plan{'s' if len(slow) > 1 else ''} ({span}), at the right edge")
     side.legend(handles, labels, loc="lower left", fontsize=8, frameon=False, borderaxespad=0)
-    fitting = any(fits[i] for i in front)
-    lines = [f"{len(results)} plans, {pred.input.describe()}" if pred.input is not None else f"{len(results)} plans"]
+    key = _key(pred, names, any(fits[i] for i in front), budget_note)
+    side.text(0, 1, key, transform=side.transAxes, fontsize=8, va="top", family="monospace")
+    fig.tight_layout()
+    return fig
+
+
+def _key(pred: Prediction, names: list[int], fitting: bool, budget_note: str) -> str:
+    """The text beside the chart: the plans and input, then the numbered Pareto plans' time, peak and name."""
+
+    results = pred.results
+    lines = [f"{len(results)} plans" + (f", {pred.input.describe()}" if pred.input is not None else "")]
     if budget_note:
         lines.append(budget_note)
     lines += ["", "Pareto front" + ("" if fitting else " (no plan fits)") + ": the fastest plan for its memory",
               "", f"{'':3}{'time':>6}  {'peak':>10}  plan"]
     for n, i in enumerate(names, 1):
-        mark = "  (recommended)" if i == rec else ""
-        lines.append(f"{n:>2} {times[i]:>5.2f}x  {size(results[i].peak_bytes):>10}  {results[i].plan.name}{mark}")
-    side.text(0, 1, "\n".join(lines), transform=side.transAxes, fontsize=8, va="top", family="monospace")
-    fig.tight_layout()
-    return fig
+        r = results[i]
+        mark = "  (recommended)" if i == pred.recommended else ""
+        lines.append(f"{n:>2} {r.rel_step_time:>5.2f}x  {size(r.peak_bytes):>10}  {r.plan.name}{mark}")
+    return "\n".join(lines)
 
 
 def write_png(pred: Prediction, path: str | Path) -> Path | None:
