@@ -69,7 +69,8 @@ def _build_one_wrapper(model: nn.Module, cfg: dict, paramwise_cfg: dict | None, 
     optimizer_cfg = cfg.pop("optimizer", None)
     if optimizer_cfg is None:
         raise ConfigError(f"{key}.optimizer is missing: e.g. optimizer=dict(type='SGD', lr=0.01)")
-    optimizer = build_optimizer(model, optimizer_cfg, paramwise_cfg, in_backward=in_backward, offload=offload)
+    optimizer = build_optimizer(model, optimizer_cfg, paramwise_cfg, in_backward=in_backward, offload=offload,
+                                key=f"{key}.optimizer")
     wrapper = OPTIM_WRAPPERS.build(cfg, key=key, optimizer=optimizer)
     if paramwise_cfg and isinstance(optimizer_cfg, dict):  # get_lr() reports MMEngine's per-parameter groups
         from memfit.optim.param_groups import original_groups
@@ -166,8 +167,9 @@ def scale_lr_cfg(cfg: Any, auto_scale_lr: dict | None, real_batch_size: Callable
 
 
 def build_optimizer(model: nn.Module, cfg: Any, paramwise_cfg: dict | None = None, in_backward: bool = False,
-                    offload: bool = False) -> Any:
-    """Build the torch optimizer; a live optimizer object is returned unchanged (``offload`` needs a config)."""
+                    offload: bool = False, key: str = "optim_wrapper.optimizer") -> Any:
+    """Build the torch optimizer; a live optimizer object is returned unchanged (``offload`` needs a config).
+    ``key`` names the config entry in errors (``optim_wrapper.generator.optimizer`` with several)."""
     if not isinstance(cfg, dict):
         if offload:
             raise ConfigError("cfg.optimizer_offload builds the optimizer on the host from its config: give "
@@ -177,7 +179,7 @@ def build_optimizer(model: nn.Module, cfg: Any, paramwise_cfg: dict | None = Non
     for k, v in cfg.items():
         if k != "type" and isinstance(v, str) and _is_number(v):
             # A TypeError, as torch's own comparison of the str with a number would raise.
-            raise ConfigTypeError(f"optim_wrapper.optimizer.{k}={v!r} is a string: write the number {float(v)!r} "
+            raise ConfigTypeError(f"{key}.{k}={v!r} is a string: write the number {float(v)!r} "
                               "(YAML reads 1e-3 as text; 1.0e-3 is a number)")
     if paramwise_cfg:
         from memfit.optim.param_groups import build_param_groups
@@ -195,36 +197,33 @@ def build_optimizer(model: nn.Module, cfg: Any, paramwise_cfg: dict | None = Non
         from memfit.speed.fused import check_fused
 
         kind = cfg.get("type")
-        check_fused(cfg, OPTIMIZERS.get(kind, key="optim_wrapper.optimizer.type") if isinstance(kind, str) else kind,
+        check_fused(cfg, OPTIMIZERS.get(kind, key=f"{key}.type") if isinstance(kind, str) else kind,
                     params, host=offload)
     if in_backward:
         from memfit.optim.in_backward import OptimizerInBackward
 
         # Each per-parameter optimizer is built through the registry: its errors name the config key.
-        return OptimizerInBackward(params, partial(_build_one, cfg))
+        return OptimizerInBackward(params, partial(_build_one, cfg, key=key))
     if offload:
         from memfit.optim.offload import OffloadedOptimizer
 
-        optimizer = OffloadedOptimizer(params, partial(_build_one, cfg))
+        optimizer = OffloadedOptimizer(params, partial(_build_one, cfg, key=key))
         logger.info(f"optimizer offload: {type(optimizer.host_optimizer).__name__}'s state and step on the host")
         return optimizer
-    return _build_one(cfg, params)
+    return _build_one(cfg, params, key=key)
 
 
-def _build_one(cfg: dict, groups: list) -> Any:
+def _build_one(cfg: dict, groups: list, key: str = "optim_wrapper.optimizer") -> Any:
     """The optimizer over ``groups``; a constructor error names the config key that caused it."""
     try:
-        return OPTIMIZERS.build(cfg, key=_KEY, params=groups)
+        return OPTIMIZERS.build(cfg, key=key, params=groups)
     except ConfigError as exc:
         if exc.__cause__ is None or isinstance(exc.__cause__, MemfitError):
             raise
-        raise _with_key(exc, cfg) from exc.__cause__
+        raise _with_key(exc, cfg, key) from exc.__cause__
 
 
-_KEY = "optim_wrapper.optimizer"
-
-
-def _with_key(exc: ConfigError, cfg: dict) -> ConfigError:
+def _with_key(exc: ConfigError, cfg: dict, key: str) -> ConfigError:
     """``exc`` (``optim_wrapper.optimizer: <torch's words> (SGD)``) with the key that caused it, found by
     building the optimizer over a probe parameter without each key in turn: the one whose removal lets
     it build (torch's messages name the value, as 'invalid momentum value', never the key)."""
@@ -246,7 +245,7 @@ def _with_key(exc: ConfigError, cfg: dict) -> ConfigError:
     name = next((k for k in args if builds({n: v for n, v in args.items() if n != k})), None)
     if name is None:
         return exc
-    message = str(exc).replace(f"{_KEY}: ", f"{_KEY}.{name}={args[name]!r}: ", 1)
+    message = str(exc).replace(f"{key}: ", f"{key}.{name}={args[name]!r}: ", 1)
     default = _default(target, name)
     if isinstance(exc, TypeError) and isinstance(default, int | float) and not isinstance(default, bool):
         message += f": use a number (the default is {default!r})"

@@ -128,6 +128,15 @@ def test_an_optimizer_range_error_names_the_key():
     assert msg == "optim_wrapper.optimizer.betas=(0.9, 1.5): invalid beta parameter at index 1: 1.5 (AdamW)"
 
 
+def test_each_optimizer_of_several_is_named_by_its_own_key():
+    from memfit.optim.builder import build_optim_wrapper
+
+    model = nn.ModuleDict(dict(gen=nn.Linear(2, 2), dis=nn.Linear(2, 2)))
+    cfg = dict(gen=dict(optimizer=dict(type="SGD", lr=0.1)), dis=dict(optimizer=dict(type="SGD", lr=0.1, momentum=-1)))
+    with pytest.raises(ConfigError, match=r"^optim_wrapper\.dis\.optimizer\.momentum=-1: invalid momentum value"):
+        build_optim_wrapper(model, cfg)
+
+
 def test_yaml_tabs_say_to_indent_with_spaces(tmp_path):
     path = tmp_path / "tabbed.yaml"
     path.write_text("train_cfg:\n\tmax_epochs: 1\n")
