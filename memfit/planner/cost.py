@@ -49,11 +49,16 @@ LEVER_FACTORS: dict[str, dict[str, float]] = {
         # x the convolutions' seconds: the fastest algorithm, tuned once per input size. Predicted 1.008x for
         # ResNet-50 bf16; measured 1.012x against the plain loop.
         "cudnn_benchmark": 0.9,
-        # compile: not measured yet (the benchmark's compile case did not fit its time budget), so a compiled
-        # plan is priced as its eager plan: x FLOP seconds, x bytes memory-bound operators write, x launches.
+        # compile (the whole model in one graph, as the planner's compiled plans apply it): matmuls and
+        # convolutions run the same kernels (x FLOP seconds 1.0); inductor fuses the memory-bound operators and
+        # launches fewer kernels (x bytes written, x launches). Fitted to the CUDA kernel time per step on one H100
+        # (benchmarks/gpu_throughput.py --compile --profile, torch 2.11, benchmarks/gpu_throughput_h100_compile.json):
+        # ResNet-50 bf16 channels_last+fused 20.4 -> 14.3 ms (predicted 0.744x, measured 0.70x), ViT-B/16 bf16
+        # fused 28.3 -> 21.9 ms (predicted 0.733x, measured 0.774x). Regional compile (the config's compile=True)
+        # costs host time per compiled block that this model leaves out (docs/speed.md).
         "compile_flops": 1.0,
-        "compile_written": 1.0,
-        "compile_ops": 1.0,
+        "compile_written": 0.55,
+        "compile_ops": 0.55,
         # x the data sheet's TF32 rate for matmuls with tf32=True: fitted to ViT-B/16 fp32 (measured 2.854x
         # with tf32; predicted 3.29x at the data sheet's rate). ResNet-50 fp32: predicted 1.001x, measured 1.011x
         # (its convolutions already run in TF32, cuDNN's default).

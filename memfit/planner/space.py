@@ -27,6 +27,10 @@ SHARDINGS = ("none", "zero1", "zero2", "fsdp")
 OFFLOADS = ("none", "params", "optimizer")
 _AC_ORDER = ("none", "stages", "every2", "selective", "blocks")  # roughly: least recompute first
 # The speed levers: a plan's field -> its word in the plan's name (in this order, before mbBxK).
+# A compiled plan's ``compile`` when the config gives none: the whole model in one graph. Measured on an H100
+# (docs/speed.md), regional compile's host time per block made it slower than whole-model compile (ResNet-50:
+# slower than eager).
+COMPILED_PLAN = {"regional": False}
 LEVER_WORDS = {"compile": "compile", "channels_last": "channels_last", "fused_optimizer": "fused", "tf32": "tf32",
                "cudnn_benchmark": "cudnn_benchmark"}
 
@@ -182,12 +186,13 @@ class Plan:
         return cfg
 
     def _apply_levers(self, cfg: dict) -> None:
-        """The levers outside ``cfg=dict(...)``: top-level ``compile`` (the config's own compile options kept),
+        """The levers outside ``cfg=dict(...)``: top-level ``compile`` (the config's own compile options kept, else
+        :data:`COMPILED_PLAN`),
         ``env_cfg.cudnn_benchmark`` (other env_cfg keys kept), the optimizer's ``fused`` (``foreach`` removed)."""
         if not self.compile:
             cfg.pop("compile", None)
         elif not cfg.get("compile"):
-            cfg["compile"] = True
+            cfg["compile"] = dict(COMPILED_PLAN)
         env = {k: v for k, v in (cfg.get("env_cfg") or {}).items() if k != "cudnn_benchmark"}
         if self.cudnn_benchmark:
             env["cudnn_benchmark"] = True

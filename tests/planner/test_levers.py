@@ -103,6 +103,8 @@ def test_apply_writes_each_lever_and_configured_plan_reads_it_back(conv_facts):
     cfg["optim_wrapper"]["optimizer"]["foreach"] = True
     on = replace(Plan("fp32", micro_batch=2), **dict.fromkeys(LEVERS, True)).apply(cfg, conv_facts)
     assert on["compile"] == dict(mode="max-autotune")  # the config's own compile options kept
+    whole = replace(Plan("fp32", micro_batch=2), compile=True).apply(off, conv_facts)
+    assert whole["compile"] == dict(regional=False)  # else the whole model in one graph (measured faster)
     assert on["cfg"]["channels_last"] is True and on["cfg"]["tf32"] is True
     assert on["env_cfg"] == dict(dist_cfg=dict(backend="gloo"), cudnn_benchmark=True)
     assert on["optim_wrapper"]["optimizer"] == dict(type="AdamW", lr=1e-3, fused=True)  # foreach removed
@@ -223,9 +225,8 @@ def test_compiled_twins_have_their_eager_plans_memory(on_h100):
         if twin.source == eager.source == "composed":  # a recommended plan is verified by its whole fake step
             assert (twin.peak_bytes, twin.allocated, twin.reserved) == \
                 (eager.peak_bytes, eager.allocated, eager.reserved), twin.plan.name
-        # compile's speed is not measured yet (cost.LEVER_FACTORS): a twin is priced as its eager plan
-        assert twin.seconds == pytest.approx(eager.seconds)
-    assert not on_h100.results[on_h100.recommended].plan.compile  # a tie goes to the plan whose memory is known
+        # fewer kernels and fused memory-bound operators (cost.LEVER_FACTORS, measured on an H100)
+        assert twin.seconds < eager.seconds, twin.plan.name
     assert "compile (twins of the plans; memory: the eager plan's)" in on_h100.levers.describe()
 
 
