@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_throughput import MODELS, SMOKE_MODELS, Case, plain_path, runner_cfg  # noqa: E402
+from throughput_cases import MODELS, SMOKE_MODELS, Case, plain_path, runner_cfg  # noqa: E402
 from throughput_paths import RunnerPath, backend_flags  # noqa: E402
 from timing import profile_block  # noqa: E402
 
