@@ -1,5 +1,7 @@
 """The bad-input corpus: every bad input ends in one memfit error whose single line names the cause
-(the config key, path or value) and the fix, and nothing already written is lost.
+(the config key, path or value) and the fix, and nothing already written is lost. Here: configs refused
+before training and checkpoint files given to load or resume; failures while training and the command
+line's errors are in tests/core/test_bad_inputs_training.py, the shared helpers in _bad_inputs_helpers.py.
 
 Not repeated here (pinned elsewhere): tests/resume/test_resume_errors.py (pickle payload, missing /
 truncated / corrupt checkpoint, a checkpoint of another model, optimizer or scheduler list, a weights
@@ -11,92 +13,26 @@ type=SDG, a missing config file); tests/data/test_dataloader.py (build_dataloade
 
 from __future__ import annotations
 
-import errno
-import hashlib
-import os
-import textwrap
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from memfit.checkpoint import load_checkpoint, read_latest
-from memfit.cli import main
-from memfit.errors import CheckpointError, ConfigError, MemfitError, TrainingError, failure_summary
-from memfit.hooks import Hook
-from memfit.model import BaseModel
+from memfit.checkpoint import read_latest
+from memfit.errors import CheckpointError, ConfigError, MemfitError
 from memfit.runner import Runner
-
-SHAPES = dict(type="ShapesDataset", num_samples=8, image_size=16, num_classes=2)
-QUIET = dict(checkpoint=None, logger=dict(interval=100, tensorboard=False))
-
-
-class Tiny(BaseModel):
-    """Linear classifier over 16x16 shapes; the ``bad_at``-th loss of this run is multiplied by ``bad``."""
-
-    def __init__(self, width: int = 4, bad_at: int | None = None, bad: float = float("nan")) -> None:
-        super().__init__()
-        self.fc = nn.Linear(3 * 16 * 16, width)
-        self.head = nn.Linear(width, 2)
-        self.bad_at, self.bad, self.calls = bad_at, bad, 0
-
-    def forward(self, img, label=None, mode="tensor", **_):
-        out = self.head(self.fc(img.flatten(1)).relu())
-        if mode == "loss":
-            self.calls += 1
-            loss = F.cross_entropy(out, label)
-            return {"loss": loss * self.bad if self.calls == self.bad_at else loss}
-        if mode == "predict":
-            return out.softmax(-1), label
-        return out
-
-
-def hooks(**entries: Any) -> dict:
-    """default_hooks: quiet ones (no checkpoints, no TensorBoard) with ``entries`` on top."""
-    return {**QUIET, **entries}
-
-
-def config(**overrides: Any) -> dict:
-    """A config that trains Tiny for one epoch of 2 iterations; ``overrides`` replace top-level keys."""
-    cfg = dict(
-        model=dict(type=Tiny),
-        work_dir="w",
-        train_dataloader=dict(batch_size=4, dataset=SHAPES),
-        train_cfg=dict(by_epoch=True, max_epochs=1),
-        optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.1)),
-        default_hooks=hooks(),
-        randomness=dict(seed=0),
-    )
-    cfg.update(overrides)
-    return cfg
-
-
-def loader(**kw: Any) -> dict:
-    """A train/val dataloader config over 8 shapes, batch 4; ``kw`` replace or add keys."""
-    return {"batch_size": 4, "dataset": SHAPES, **kw}
-
-
-def optim(**kw: Any) -> dict:
-    return dict(optimizer=dict(type="SGD", lr=0.1, **kw))
-
-
-VAL = dict(val_dataloader=loader(), val_cfg=dict())
-
-
-def one_line(exc: BaseException, *needles: str) -> str:
-    """The message is one line and holds every needle (the key/path/value and the fix)."""
-    msg = str(exc)
-    assert "\n" not in msg, msg
-    for needle in needles:
-        assert needle in msg, f"{needle!r} not in {msg!r}"
-    return msg
-
-
-def digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+from tests.core._bad_inputs_helpers import (
+    SHAPES,
+    VAL,
+    Tiny,
+    assert_nothing_lost,
+    config,
+    digest,
+    hooks,
+    loader,
+    one_line,
+    optim,
+)
 
 
 @pytest.fixture(scope="module")
@@ -107,15 +43,6 @@ def previous(tmp_path_factory) -> Path:
                            default_hooks=hooks(checkpoint=dict(type="CheckpointHook", interval=1)))).train()
     assert read_latest(work_dir) == work_dir / "epoch_1.pth"
     return work_dir
-
-
-def assert_nothing_lost(work_dir: Path, name: str = "epoch_1.pth", sha: str | None = None) -> None:
-    """last_checkpoint still names ``name``, which loads (unchanged), and no temporary file is left."""
-    assert read_latest(work_dir) == work_dir / name
-    assert load_checkpoint(work_dir / name)["meta"]["memfit_version"]
-    if sha is not None:
-        assert digest(work_dir / name) == sha
-    assert not [p.name for p in work_dir.iterdir() if ".tmp-" in p.name]
 
 
 @pytest.fixture(autouse=True)
@@ -318,210 +245,3 @@ def test_load_from_a_checkpoint_of_another_model(previous):
         Runner.from_cfg(config(model=dict(type=Tiny, width=8), load_from=str(previous / "epoch_1.pth"))).train()
     one_line(exc.value, "epoch_1.pth", "shape mismatch at 'fc.weight'", "(4, 768) vs model (8, 768)")
     assert_nothing_lost(previous)
-
-
-# ------------------------------------------------------------------ failures while training
-@pytest.fixture
-def trained(tmp_path) -> Path:
-    """A fresh work dir with epoch_1.pth (2 iterations), to resume for a second epoch."""
-    Runner.from_cfg(config(work_dir="run", default_hooks=hooks(checkpoint=dict(type="CheckpointHook", interval=1)))
-                    ).train()
-    return tmp_path / "run"
-
-
-def second_epoch(**overrides: Any) -> Runner:
-    hook = dict(type="CheckpointHook", interval=1)
-    return Runner.from_cfg(config(work_dir="run", resume=True, train_cfg=dict(by_epoch=True, max_epochs=2),
-                                  default_hooks=hooks(checkpoint=hook), **overrides))
-
-
-def test_disk_full_during_a_save_keeps_the_previous_checkpoint(trained, monkeypatch):
-    sha = digest(trained / "epoch_1.pth")
-
-    def full(obj, f, *args, **kwargs):
-        f.write(b"partial")
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    runner = second_epoch()
-    monkeypatch.setattr(torch, "save", full)
-    with pytest.raises(CheckpointError) as exc:
-        runner.train()
-    monkeypatch.undo()
-    one_line(exc.value, str(trained / "epoch_2.pth"), "No space left on device", "free disk space")
-    assert isinstance(exc.value.__cause__, OSError) and exc.value.__cause__.errno == errno.ENOSPC
-    assert not (trained / "epoch_2.pth").exists()
-    assert_nothing_lost(trained, sha=sha)
-
-
-def test_interrupt_during_a_save_keeps_the_previous_checkpoint(trained, monkeypatch, caplog):
-    sha = digest(trained / "epoch_1.pth")
-
-    def interrupted(obj, f, *args, **kwargs):
-        f.write(b"partial")
-        raise KeyboardInterrupt
-
-    runner = second_epoch()
-    monkeypatch.setattr(torch, "save", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        runner.train()
-    monkeypatch.undo()
-    assert "training interrupted at the end of epoch 2" in caplog.text
-    assert not (trained / "epoch_2.pth").exists()
-    assert_nothing_lost(trained, sha=sha)
-
-
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_non_finite_loss_stops_naming_the_iteration(trained, bad):
-    """The 2nd loss of the resumed run is iteration 4 (epoch 2); nothing is saved after it."""
-    sha = digest(trained / "epoch_1.pth")
-    with pytest.raises(TrainingError) as exc:
-        second_epoch(model=dict(type=Tiny, bad_at=2, bad=bad)).train()
-    one_line(exc.value, f"the loss is {bad} at epoch 2, iteration 4", "lower the learning rate",
-             "action='skip'")
-    assert failure_summary(exc.value).startswith("training failed at epoch 2, iteration 4: the loss is")
-    assert not (trained / "epoch_2.pth").exists()
-    assert_nothing_lost(trained, sha=sha)
-
-
-def test_non_finite_loss_checked_every_few_iterations_still_names_it_and_saves_nothing_after(tmp_path):
-    """interval=4 batches the checks (one sync per 4 iterations); the save after iteration 3 checks first."""
-    cfg = config(model=dict(type=Tiny, bad_at=3), train_cfg=dict(by_epoch=False, max_iters=8),
-                 default_hooks=hooks(checkpoint=dict(type="CheckpointHook", interval=1, by_epoch=False),
-                                     check_invalid_loss=dict(interval=4)))
-    with pytest.raises(TrainingError) as exc:
-        Runner.from_cfg(cfg).train()
-    one_line(exc.value, "the loss is nan at iteration 3")
-    assert_nothing_lost(tmp_path / "w", "iter_2.pth")
-    assert not (tmp_path / "w" / "iter_3.pth").exists()
-
-
-class Snapshots(Hook):
-    """The model's weights after every training iteration."""
-
-    def __init__(self) -> None:
-        self.weights: list[list[torch.Tensor]] = []
-
-    def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None) -> None:
-        self.weights.append([p.detach().clone() for p in runner.model.parameters()])
-
-
-def test_non_finite_loss_skip_counts_and_trains_on(caplog):
-    snapshots = Snapshots()
-    cfg = config(model=dict(type=Tiny, bad_at=3), train_cfg=dict(by_epoch=True, max_epochs=2),
-                 default_hooks=hooks(check_invalid_loss=dict(action="skip", interval=1)), custom_hooks=[snapshots])
-    runner = Runner.from_cfg(cfg)
-    runner.train()
-    assert runner.optim_wrapper.nonfinite_losses == 1
-    assert all(torch.isfinite(p).all() for p in runner.model.parameters())
-    assert "non-finite loss by iteration 3" in caplog.text and "1 non-finite losses so far" in caplog.text
-    # Iteration 3 (the NaN loss) left the weights as they were; iteration 4, after it, stepped them again.
-    w = snapshots.weights
-    assert runner.iter == len(w) == 4 and runner.model.calls == 4
-    assert all(torch.equal(a, b) for a, b in zip(w[2], w[1]))
-    assert all(not torch.equal(a, b) for a, b in zip(w[3], w[2]))
-
-
-class FailAt(Hook):
-    def __init__(self, iteration: int) -> None:
-        self.iteration = iteration
-
-    def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None) -> None:
-        if runner.iter + 1 == self.iteration:
-            raise RuntimeError("boom in a hook")
-
-
-def test_failure_in_the_loop_is_one_log_line_with_the_traceback_in_the_file(trained, capsys, caplog):
-    sha = digest(trained / "epoch_1.pth")
-    runner = second_epoch(custom_hooks=[FailAt(4)])
-    with pytest.raises(RuntimeError) as exc:
-        runner.train()
-    assert type(exc.value) is RuntimeError and exc.value.args == ("boom in a hook",)  # propagates unchanged
-    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert errors[0] == "training failed at epoch 2, iteration 4: RuntimeError: boom in a hook"
-    assert failure_summary(exc.value) == errors[0]
-    log_file = runner.log_dir / f"{runner.timestamp}.log"
-    text = log_file.read_text()
-    assert "training failed at epoch 2, iteration 4" in text and "Traceback (most recent call last)" in text
-    assert "Traceback" not in capsys.readouterr().out
-    assert_nothing_lost(trained, sha=sha)
-
-
-class BrokenPredict(Tiny):
-    def forward(self, img, label=None, mode="tensor", **_):
-        if mode == "predict":
-            raise ValueError("cannot predict")
-        return super().forward(img, label, mode)
-
-
-def test_failure_in_validation_names_it(capsys, caplog):
-    runner = Runner.from_cfg(config(model=dict(type=BrokenPredict), **VAL, val_evaluator=dict(type="Accuracy")))
-    with pytest.raises(ValueError, match="cannot predict"):
-        runner.train()
-    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert errors == ["training failed in the validation after epoch 1: ValueError: cannot predict"]
-    with pytest.raises(ValueError, match="cannot predict"):
-        runner.val()
-    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert errors[-1] == "val failed: ValueError: cannot predict"
-
-
-# ------------------------------------------------------------------ the command line
-CLI_CFG = """
-model = dict(type='ImageClassifier', backbone=dict(type='torch.nn.Linear', in_features={features}, out_features=2))
-train_dataloader = dict(batch_size=4, dataset=dict(type='ShapesDataset', num_samples=8, image_size=16, num_classes=2))
-val_dataloader = dict(batch_size=4, dataset=dict(type='ShapesDataset', num_samples=4, image_size=16, num_classes=2))
-val_evaluator = dict(type='Accuracy')
-val_cfg = dict()
-train_cfg = dict(by_epoch=True, max_epochs=1)
-optim_wrapper = dict(optimizer=dict(type='SGD', lr={lr}))
-default_hooks = dict(logger=dict(interval=100, tensorboard=False))
-"""
-
-
-def write_cfg(tmp_path: Path, features: int = 16, lr: float = 0.1) -> str:
-    path = tmp_path / "cfg.py"
-    path.write_text(textwrap.dedent(CLI_CFG.format(features=features, lr=lr)))
-    return str(path)
-
-
-def cli(capsys, *argv: str) -> tuple[int, list[str], str]:
-    code = main(list(argv))
-    out = capsys.readouterr()
-    return code, out.err.strip().splitlines(), out.out
-
-
-def test_cli_config_error_names_the_config_file(tmp_path, capsys):
-    cfg = write_cfg(tmp_path, lr=-1)
-    code, err, _ = cli(capsys, "train", cfg, "--work-dir", "w")
-    assert code == 2 and err == [f"memfit: error: {cfg}: optim_wrapper.optimizer.lr=-1: invalid learning rate: -1 (SGD)"]
-
-
-def test_cli_config_path_is_a_directory(capsys):
-    code, err, _ = cli(capsys, "train", "emptydir")
-    assert code == 2 and len(err) == 1 and "'emptydir' is a directory" in err[0]
-
-
-def test_cli_unwritable_work_dir_and_missing_checkpoint(tmp_path, capsys):
-    cfg = write_cfg(tmp_path)
-    code, err, _ = cli(capsys, "train", cfg, "--work-dir", "afile/w")
-    assert code == 2 and len(err) == 1 and "work_dir='afile/w': cannot create" in err[0]
-    code, err, _ = cli(capsys, "eval", cfg, "--work-dir", "w", "--checkpoint", "nope.pth")
-    assert code == 2 and err == ["memfit: error: checkpoint nope.pth does not exist"]
-
-
-def test_cli_failure_during_training_exits_1_with_one_line(tmp_path, capsys):
-    cfg = write_cfg(tmp_path, features=10)  # Linear(10, 2) over 16-pixel rows: the forward fails
-    code, err, out = cli(capsys, "train", cfg, "--work-dir", "w")
-    assert code == 1 and len(err) == 1, err
-    assert err[0].startswith("memfit: error: training failed at epoch 1, iteration 1: RuntimeError: mat1 and mat2 "
-                             "shapes cannot be multiplied")
-    log_file = next(Path("w").glob("*/*.log"))
-    assert f"traceback in {log_file.resolve()}" in err[0]
-    assert "Traceback (most recent call last)" in log_file.read_text() and "Traceback" not in out
-
-
-def test_cli_debug_prints_the_traceback(tmp_path, capsys):
-    cfg = write_cfg(tmp_path, features=10)
-    code, err, _ = cli(capsys, "train", cfg, "--work-dir", "w", "--debug")
-    assert code == 1 and err[0] == "Traceback (most recent call last):"
-    assert err[-1].startswith("memfit: error: training failed at epoch 1, iteration 1: RuntimeError")
