@@ -1,5 +1,6 @@
-"""MemoryTracker: the same peak and breakdown as torch's MemTracker, the same on fake tensors; FSDP2,
-DDP and fp32 master weights labelled (on a fake process group of N ranks in this process)."""
+"""MemoryTracker: the same peak and breakdown as torch's MemTracker, the same on fake tensors; FSDP2 and
+DDP labelled (on a fake process group of N ranks in this process). fp32 master weights:
+tests/memory/test_measure_master_weights.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as tdist
-import torch.nn.functional as F
 import torchvision
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -19,10 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from memfit.connector import setup
 from memfit.memory.measure import CATEGORIES, MB, MemoryTracker
-from memfit.model import BaseModel
-from memfit.strategies import SingleDeviceStrategy
 
 
 def mlp() -> nn.Module:
@@ -370,33 +367,3 @@ def test_ddp_buckets_are_communication(fake_pg: int) -> None:
     assert t.breakdown == dict.fromkeys(CATEGORIES, 0) | dict(
         parameters=PARAM_BYTES, gradients=PARAM_BYTES, optimizer_state=2 * PARAM_BYTES + STEP_COUNTERS,
         communication=PARAM_BYTES, activations=MARKER, inputs=x.nbytes + y.nbytes)
-
-
-class Classifier(BaseModel):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = mlp()
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor, mode: str = "tensor") -> object:
-        logits = self.net(x)
-        return dict(loss=F.cross_entropy(logits.float(), y)) if mode == "loss" else logits
-
-
-def test_fp32_master_weights_are_optimizer_state() -> None:
-    """Apex O2 (bf16 model): the optimizer steps fp32 copies of the parameters; they are optimizer state
-    (as ZeRO counts them), not inputs, and their gradients are gradients."""
-    torch.manual_seed(0)
-    strategy = SingleDeviceStrategy()
-    strategy.setup_env()
-    strategy.device = torch.device("cpu")  # the live-storage breakdown (on CUDA inputs fold into activations)
-    model, wrapper = setup(Classifier(), strategy, dict(optimizer=dict(type="SGD", lr=0.1)),
-                           precision=dict(opt_level="O2", dtype="bfloat16"))
-    x, y = batch("mlp")
-    model.train_step((x, y), optim_wrapper=wrapper)
-    with MemoryTracker(model, wrapper.optimizer) as t:
-        model.train_step((x, y), optim_wrapper=wrapper)
-    n = sum(p.numel() for p in model.parameters())
-    assert t.breakdown["parameters"] == 2 * n  # bf16
-    assert t.breakdown["optimizer_state"] == 4 * n  # the fp32 masters (plain SGD keeps no state)
-    assert t.breakdown["inputs"] == x.nbytes + y.nbytes
-    assert t.breakdown["gradients"] > 2 * n  # at the peak: fp32 master gradients and the bf16 ones not yet moved
