@@ -208,10 +208,10 @@ def test_load_from_missing_and_under_a_file():
 def test_directories_where_a_checkpoint_file_is_expected():
     with pytest.raises(CheckpointError) as exc:
         Runner.from_cfg(config(load_from="emptydir")).train()
-    one_line(exc.value, "emptydir is a directory, not a checkpoint file")
+    one_line(exc.value, "emptydir: a directory without a checkpoint", "a work dir holding last_checkpoint")
     with pytest.raises(CheckpointError) as exc:
         Runner.from_cfg(config(resume="emptydir")).train()
-    one_line(exc.value, "emptydir", "not written by memfit")
+    one_line(exc.value, "emptydir: a directory without a checkpoint")
 
 
 def test_foreign_checkpoints(tmp_path):

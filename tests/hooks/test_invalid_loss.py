@@ -1,7 +1,7 @@
 """CheckInvalidLossHook across processes: a nan on one rank stops every rank at the same iteration.
 
 The single-process behaviour (stop naming the iteration, interval, skip) is pinned in
-tests/core/test_bad_inputs.py.
+tests/core/test_bad_inputs_training.py.
 """
 
 from __future__ import annotations
