@@ -5,8 +5,9 @@ Every line of a ```bash block that runs memfit (``memfit ...``, ``python -m memf
 listed in KINDS with the reason: the quick ones run for real through ``memfit.cli.main`` (in a temporary
 directory, placeholders such as CFG replaced), the slow ones are parsed by the command's own argparse
 parser, their config files loaded with their ``--cfg-options`` and validated, and their sizes and GPU
-names checked, so a renamed flag, subcommand, config file or config key fails here. The README's Python
-example runs as written.
+names checked, so a renamed flag, subcommand, config file or config key fails here. Commands quoted in the
+text (`memfit ...` spans) must parse too, the links between the pages must name a file and a heading they have,
+the README's first screen must say what to type, and its Python example runs as written.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def _memfit_argv(words: list[str]) -> list[str] | None:
     return None
 
 
-def _kind(words: list[str], argv: list[str] | None, line: str) -> str | None:
+def _kind(words: list[str], argv: list[str] | None) -> str | None:
     if argv is None:
         if words[:1] == ["make"]:
             return "make"
@@ -130,10 +131,12 @@ def documented_commands() -> list[Command]:
     for page in PAGES:
         for number, line in _bash_lines(page):
             words = _split(line)
+            while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # PYTHONPATH=. CUDA_VISIBLE_DEVICES=0 ...
+                words = words[1:]
             if not words:
                 continue
             argv = _memfit_argv(words)
-            kind = _kind(words, argv, line)
+            kind = _kind(words, argv)
             if kind is not None:
                 where = f"{page.relative_to(ROOT)}:{number}"
                 commands.append(Command(where, line.split(" #")[0].strip(), tuple(argv or words), kind))
@@ -180,6 +183,17 @@ def _parse(argv: list[str], command: Command):
         return build_parser().parse_args(argv)
     except SystemExit as exc:
         pytest.fail(f"{command}: memfit's parser refused it (exit {exc.code})")
+
+
+def test_readme_first_screen_says_what_to_type():
+    """The README's first 60 lines: install, the two make commands and the train, plan and auto-fit examples,
+    and nothing about how memfit was made."""
+    screen = "\n".join((ROOT / "README.md").read_text().splitlines()[:60])
+    for needed in ("pip install -e", "make venv", "make demo", "make test", "memfit train configs/", "memfit plan ",
+                   "--auto-fit"):
+        assert needed in screen, f"README.md's first 60 lines do not show {needed!r}"
+    for word in ("the seeds", "seed's", "session", "commit"):
+        assert word not in screen.lower(), f"README.md's first 60 lines say {word!r}"
 
 
 # --- the commands run for real -------------------------------------------------------------------------------
