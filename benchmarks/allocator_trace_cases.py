@@ -6,47 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from torch.utils.data import Dataset
+from throughput_cases import Model
+from throughput_paths import RandomImages
 
 from memfit.hooks import Hook
 
 # No checkpoints, and no LoggerHook at all: its log line of an epoch's last iteration calls
 # torch.cuda.reset_peak_memory_stats, which would hide the recorded steps' peaks.
 HOOKS = dict(checkpoint=None, logger=None)
-
-
-class RandomImages(Dataset):
-    """``length`` items cycling through ``count`` images drawn once (seed 0): ``{'img': float32 [3, S, S]
-    (standard normal, as normalised images), 'label': int}``. Only indexing, so the loader adds nothing."""
-
-    def __init__(self, image_size: int, count: int, length: int, num_classes: int = 1000) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.img = torch.randn(count, 3, image_size, image_size, generator=g)
-        self.label = torch.randint(num_classes, (count,), generator=g).tolist()
-        self.count, self.length = count, length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        j = i % self.count
-        return {"img": self.img[j], "label": self.label[j]}
-
-
-@dataclass(frozen=True)
-class Model:
-    label: str
-    kind: str  # 'timm' | 'torchvision'
-    name: str
-    size: int
-    batch: int
-    kwargs: dict = field(default_factory=dict)
-
-    def cfg(self) -> dict:
-        if self.kind == "torchvision":
-            return dict(type="ImageClassifier", backbone=dict(type=self.name, num_classes=1000))
-        return dict(type="TimmClassifier", model_name=self.name, num_classes=1000, drop_path_rate=0.0, **self.kwargs)
 
 
 MODELS = {

@@ -17,7 +17,7 @@ Top-level keys:
 
 A case: ``name``, ``description``, ``config`` (summary: model, image_size, batch, steps, precision, optimizer,
 techniques, strategy), ``runner_cfg`` (the config dict given to ``Runner.from_cfg``, classes by name; the
-dataset is ``RandomImages`` of benchmarks/allocator_trace_cases.py), ``torch``, ``cuda``, ``gpu`` (repeated from
+dataset is ``RandomImages`` of benchmarks/throughput_paths.py), ``torch``, ``cuda``, ``gpu`` (repeated from
 ``env`` so a case stands alone), then
 
 * ``initial``: ``segments``, ``allocated`` and ``reserved`` bytes when recording started;
