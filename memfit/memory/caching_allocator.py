@@ -2,11 +2,12 @@
 frees: what ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` would read on a GPU.
 
 Our own because torch has none: its memory snapshots and ``MemTracker`` read a real allocator. The
-rules are ``c10/cuda/CUDACachingAllocator.cpp``'s defaults (one stream; no expandable segments,
-``max_split_size`` or garbage collection; segments are never released during training):
+rules are ``c10/cuda/CUDACachingAllocator.cpp``'s defaults (no expandable segments, ``max_split_size``
+or garbage collection; segments are never released during training):
 
 * a request is rounded up to a multiple of 512 bytes;
-* requests up to 1 MiB come from the small pool, larger ones from the large pool;
+* requests up to 1 MiB come from the small pool, larger ones from the large pool; each stream has its
+  own pools: a block freed by one stream is reused only by requests on that stream;
 * the smallest free block of the pool that fits is used (ties: the lowest address); it is split when
   what remains is at least 512 bytes (small pool) or more than 1 MiB (large pool), else the whole
   block is allocated and counts as allocated;
@@ -14,13 +15,14 @@ rules are ``c10/cuda/CUDACachingAllocator.cpp``'s defaults (one stream; no expan
   large one under 10 MiB, else the request rounded up to 2 MiB;
 * a freed block merges with free neighbours of its segment.
 
-Measured against an H100 (benchmarks/gpu_calibration.py, docs/planner.md): see the planner's docs.
+Checked against the real allocator's traces of training steps (tests/memory/test_allocator_traces.py):
+given cudaMalloc's segment addresses, every block lands where torch put it; see docs/planner.md.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 MIN_BLOCK = 512
 SMALL_SIZE = 2**20  # largest request served from the small pool
@@ -31,10 +33,10 @@ ROUND_LARGE = 2 * 2**20
 
 
 class _Block:
-    __slots__ = ("addr", "size", "small", "free", "prev", "next")
+    __slots__ = ("addr", "size", "small", "stream", "free", "prev", "next")
 
-    def __init__(self, addr: int, size: int, small: bool) -> None:
-        self.addr, self.size, self.small, self.free = addr, size, small, True
+    def __init__(self, addr: int, size: int, small: bool, stream: Hashable) -> None:
+        self.addr, self.size, self.small, self.stream, self.free = addr, size, small, stream, True
         self.prev: _Block | None = None
         self.next: _Block | None = None
 
@@ -54,37 +56,105 @@ def segment_size(size: int) -> int:
 
 
 class CachingAllocatorModel:
-    """``malloc(key, nbytes)`` and ``free(key)`` in program order; ``allocated``/``reserved`` now and
-    their peaks (``peak_allocated``/``peak_reserved``), in bytes. Every call that changes a block is
-    kept in ``trace`` (``(key, nbytes)``; ``nbytes`` None for a free), for :meth:`replay`."""
+    """``malloc(key, nbytes, stream)`` and ``free(key)`` in program order; ``allocated``/``reserved`` now
+    and their peaks (``peak_allocated``/``peak_reserved``), in bytes; ``segments``: ``(address, size,
+    stream)`` of each segment reserved, in order. A block freed by one stream is reused only by requests
+    on the same stream (streams are any hashable; 0 the default one). Every call that changes a block is
+    kept in ``trace`` (``(key, nbytes)``; ``nbytes`` None for a free; a request's stream is kept apart), for
+    :meth:`replay`."""
 
     def __init__(self) -> None:
         self.trace: list[tuple[Hashable, int | None]] = []
-        # Free blocks of each pool (small: True), sorted by (size, address) as the allocator's sets are.
-        self._pools: dict[bool, list[tuple[int, int, _Block]]] = {True: [], False: []}
+        self._trace_streams: dict[int, Hashable] = {}  # index in trace -> stream, where not 0
+        self.segments: list[tuple[int, int, Hashable]] = []
+        # Free blocks of each (stream, small) pool, sorted by (size, address) as the allocator's sets are.
+        self._pools: dict[tuple[Hashable, bool], list[tuple[int, int, _Block]]] = {}
         self._used: dict[Hashable, _Block] = {}
+        self._heads: list[_Block] = []  # each segment's first block
         self._next_addr = 0
+        self._placed: int | None = None  # the address of the next segment, where given
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
 
-    def malloc(self, key: Hashable, nbytes: int) -> None:
+    def _pool(self, stream: Hashable, small: bool) -> list[tuple[int, int, _Block]]:
+        return self._pools.setdefault((stream, small), [])
+
+    def next_segment_at(self, addr: int) -> None:
+        """The address the next segment reserved takes (cudaMalloc's choice, read from a recorded trace).
+        By default each segment lies above the ones before; where free blocks of a pool tie on size, the
+        one at the lowest address is used, so addresses decide ties."""
+        self._placed = addr
+
+    def _reserve(self, head: _Block, size: int) -> None:
+        self.segments.append((head.addr, size, head.stream))
+        self._heads.append(head)
+        self._next_addr = max(self._next_addr, head.addr + size)
+        self.reserved += size
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    def address(self, key: Hashable) -> int | None:
+        """The address of the block ``key`` holds (None when it holds none)."""
+        block = self._used.get(key)
+        return None if block is None else block.addr
+
+    def segment_blocks(self) -> list[tuple[int, int, Hashable, list[tuple[int, int, bool]]]]:
+        """Each segment as ``(address, size, stream, blocks)``, blocks ``(address, size, allocated)`` in
+        address order, as torch's memory snapshot lists them."""
+        out = []
+        for head in self._heads:
+            blocks, b = [], head
+            while b is not None:
+                blocks.append((b.addr, b.size, not b.free))
+                b = b.next
+            out.append((head.addr, sum(n for _, n, _ in blocks), head.stream, blocks))
+        return out
+
+    def add_segment(self, size: int, blocks: Sequence[tuple[Hashable | None, int]] = (), stream: Hashable = 0,
+                    addr: int | None = None) -> int:
+        """A segment that exists already (a replay's initial state): ``blocks`` are ``(key, size)`` in address
+        order, key None for a free block (one free block of the whole segment when empty); a 2 MiB
+        segment is of the small pool. Returns its address (``addr``, or above every segment so far)."""
+        addr = self._next_addr if addr is None else addr
+        blocks = list(blocks) or [(None, size)]
+        if sum(n for _, n in blocks) != size:
+            raise ValueError(f"blocks of {sum(n for _, n in blocks)} bytes in a segment of {size}")
+        small, chain, at = size <= SMALL_BUFFER, [], addr
+        for _, n in blocks:
+            block = _Block(at, n, small, stream)
+            block.free, at = False, at + n
+            if chain:
+                chain[-1].next, block.prev = block, chain[-1]
+            chain.append(block)
+        self._reserve(chain[0], size)
+        for (key, n), block in zip(blocks, chain):
+            if key is None:  # free: merged with a free neighbour, as the allocator would have
+                self._insert_free(block)
+            else:
+                self._used[key] = block
+                self.allocated += n
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return addr
+
+    def malloc(self, key: Hashable, nbytes: int, stream: Hashable = 0) -> None:
+        """Allocate ``nbytes`` for ``key`` (ignored if ``key`` holds a block or ``nbytes`` is not positive)."""
         if nbytes <= 0 or key in self._used:
             return
+        if stream != 0:
+            self._trace_streams[len(self.trace)] = stream
         self.trace.append((key, nbytes))
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
-        pool = self._pools[small]
+        pool = self._pool(stream, small)
         i = bisect_left(pool, (size, -1))
         if i < len(pool):
             block = pool.pop(i)[2]
         else:
             seg = segment_size(size)
-            block = _Block(self._next_addr, seg, small)
-            self._next_addr += seg
-            self.reserved += seg
-            self.peak_reserved = max(self.peak_reserved, self.reserved)
+            addr, self._placed = (self._next_addr if self._placed is None else self._placed), None
+            block = _Block(addr, seg, small, stream)
+            self._reserve(block, seg)
         rest = block.size - size
         if rest >= MIN_BLOCK if small else rest > SMALL_SIZE:
-            tail = _Block(block.addr + size, rest, small)
+            tail = _Block(block.addr + size, rest, small, stream)
             tail.prev, tail.next = block, block.next
             if block.next is not None:
                 block.next.prev = tail
@@ -96,13 +166,19 @@ class CachingAllocatorModel:
         self.peak_allocated = max(self.peak_allocated, self.allocated)
 
     def free(self, key: Hashable) -> None:
+        """Free ``key``'s block (ignored if it holds none); for a block under ``record_stream``, call it when
+        torch completes the free (the trace's 'free_completed'), not when it is requested."""
         block = self._used.pop(key, None)
         if block is None:
             return
         self.trace.append((key, None))
         self.allocated -= block.size
+        self._insert_free(block)
+
+    def _insert_free(self, block: _Block) -> _Block:
+        """Mark ``block`` free, merged with its free neighbours, in its pool; the merged block."""
         block.free = True
-        pool = self._pools[block.small]
+        pool = self._pool(block.stream, block.small)
         for other in (block.prev, block.next):
             if other is None or not other.free:
                 continue
@@ -119,6 +195,7 @@ class CachingAllocatorModel:
                 if other.next is not None:
                     other.next.prev = block
         insort(pool, (block.size, block.addr, block))
+        return block
 
     def replay(self, start: int) -> None:
         """Run ``trace[start:]`` (one training step) again, as the next step would: the same requests in the
@@ -134,4 +211,4 @@ class CachingAllocatorModel:
             if nbytes is None:
                 self.free(("again", key))
             else:
-                self.malloc(("again", key), nbytes)
+                self.malloc(("again", key), nbytes, self._trace_streams.get(start + i, 0))

@@ -1,10 +1,19 @@
 """The model of PyTorch's CUDA caching allocator (memfit.memory.caching_allocator): its rules, one by
-one, as CUDACachingAllocator.cpp applies them with default settings."""
+one, as CUDACachingAllocator.cpp applies them with default settings.
 
-import random
+The model against the real allocator is test_allocator_traces.py (recorded traces of training steps; on a
+GPU, the installed torch's). It replaces the GPU-only ``test_follows_the_cuda_allocator`` that was here: a
+random program run from an empty allocator, the totals compared with the model's within 0.5% (allocated)
+and 2% + 2 MiB (reserved), which failed for both seeds on torch 2.11 with CUDA 13. Neither the rules nor
+the tie-breaking explain that: given cudaMalloc's addresses the model puts every block of the 2.11 traces
+where torch did, and replayed with 200 random orders of segment addresses (as cudaMalloc might give them)
+the model's totals stay within those bounds of its own-address totals at every step of both programs. What
+is left (not confirmed on a GPU) is what the old test assumed of the process: no cached block at its start
+(``reserved == allocated`` after ``empty_cache``), which any tensor an earlier test left alive in a partly
+used segment breaks (the traces' processes, their parameters alive, hold 22-28 MiB of such free space
+after ``empty_cache``). The new test starts from the segments it finds and needs no bounds."""
 
 import pytest
-import torch
 
 from memfit.memory.caching_allocator import CachingAllocatorModel, round_size, segment_size
 
@@ -75,41 +84,6 @@ def test_best_fit_takes_the_smallest_free_block():
     assert a.reserved == 42 * MiB
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="compares with the real CUDA caching allocator")
-@pytest.mark.parametrize("seed", [0, 1])
-def test_follows_the_cuda_allocator(seed):
-    """A random program of 600 allocations (512 B .. 48 MiB, log-uniform) and frees, run on the GPU and
-    replayed on the model. Measured on an H100: identical for the first 573 steps of seed 0; then, where
-    free blocks of equal size tie, the model (which numbers its segments in order, where cudaMalloc's
-    addresses need not rise) picked another block and reserved one 2 MiB segment more. So: allocated
-    within 0.5% and reserved within 2% + 2 MiB at every step."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base_allocated, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-    assert base_reserved == base_allocated, "the allocator must start with no cached blocks"
-    rng = random.Random(seed)
-    model, live, first_difference = CachingAllocatorModel(), {}, None
-    for step in range(600):
-        if live and rng.random() < 0.45:
-            key = rng.choice(list(live))
-            op = f"free {live.pop(key).numel()}"
-            model.free(key)
-        else:
-            nbytes = int(2 ** rng.uniform(9, 25.6))
-            live[step] = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-            model.malloc(step, nbytes)
-            op = f"malloc {nbytes}"
-        real = (torch.cuda.memory_allocated() - base_allocated, torch.cuda.memory_reserved() - base_reserved)
-        if real != (model.allocated, model.reserved) and first_difference is None:
-            first_difference = step
-        where = f"step {step} ({op}): real {real}, model {(model.allocated, model.reserved)}"
-        assert abs(model.allocated - real[0]) <= 0.005 * real[0], where
-        assert abs(model.reserved - real[1]) <= 0.02 * real[1] + 2 * MiB, where
-    print(f"seed {seed}: first difference at step {first_difference}")
-    live.clear()
-    torch.cuda.empty_cache()
-
-
 def test_replaying_a_step_is_the_second_step_with_the_first_ones_state_kept():
     """A step allocates activations, frees them, then creates state that stays (Adam's, in its first
     optimizer step) in the holes they left: the second step's activations no longer fit the segments and
@@ -134,3 +108,63 @@ def test_replaying_a_step_is_the_second_step_with_the_first_ones_state_kept():
     assert (replayed.allocated, replayed.reserved, replayed.peak_allocated, replayed.peak_reserved) == \
         (twice.allocated, twice.reserved, twice.peak_allocated, twice.peak_reserved)
     assert twice.peak_reserved > once[1]  # the second step's fragmentation is what replay adds
+
+
+def test_a_block_freed_on_one_stream_is_reused_only_on_that_stream():
+    a = CachingAllocatorModel()
+    a.malloc("copy", 12 * MiB, stream="side")
+    where = a.address("copy")
+    a.free("copy")
+    a.malloc("x", 12 * MiB)  # the default stream: the side stream's free block is not its own
+    assert a.reserved == 24 * MiB and a.address("x") != where
+    a.malloc("next copy", 12 * MiB, stream="side")  # the side stream reuses it
+    assert a.reserved == 24 * MiB and a.address("next copy") == where
+    assert [s for _, _, s in a.segments] == ["side", 0]
+
+
+def test_each_stream_packs_small_requests_into_its_own_segments():
+    a = CachingAllocatorModel()
+    for stream in (0, 7, 0, 7):
+        a.malloc((stream, a.allocated), 4 * KiB, stream)
+    assert a.reserved == 4 * MiB and sorted(s for _, _, s in a.segments) == [0, 7]
+
+
+def test_of_equal_free_blocks_the_lowest_address_is_taken():
+    """cudaMalloc's addresses need not rise; given them (``next_segment_at``), ties go as torch's do."""
+    a = CachingAllocatorModel()
+    a.next_segment_at(900 * MiB)
+    a.malloc("high", 12 * MiB)
+    a.next_segment_at(100 * MiB)
+    a.malloc("low", 12 * MiB)
+    a.free("high")
+    a.free("low")
+    a.malloc("x", 12 * MiB)
+    assert a.address("x") == 100 * MiB and a.address("high") is None
+    b = CachingAllocatorModel()  # the model's own addresses: each segment above the ones before
+    for key in ("first", "second"):
+        b.malloc(key, 12 * MiB)
+    b.free("second")
+    b.free("first")
+    b.malloc("x", 12 * MiB)
+    assert b.address("x") == b.segments[0][0] == 0
+
+
+def test_existing_segments_seed_the_model_and_merge_their_free_blocks():
+    a = CachingAllocatorModel()
+    at = a.add_segment(20 * MiB, [("w", 4 * MiB), (None, 6 * MiB), ("v", 10 * MiB)], stream=0, addr=64 * MiB)
+    assert (at, a.allocated, a.reserved, a.peak_reserved) == (64 * MiB, 14 * MiB, 20 * MiB, 20 * MiB)
+    a.free("v")  # joins the free 6 MiB before it: one 16 MiB block
+    a.malloc("x", 16 * MiB)
+    assert a.reserved == 20 * MiB and a.address("x") == 68 * MiB
+    assert a.segment_blocks() == [(64 * MiB, 20 * MiB, 0, [(64 * MiB, 4 * MiB, True), (68 * MiB, 16 * MiB, True)])]
+    with pytest.raises(ValueError):
+        a.add_segment(2 * MiB, [("y", MiB)])
+
+
+def test_replay_keeps_each_request_on_its_stream():
+    a = CachingAllocatorModel()
+    a.malloc("batch", 12 * MiB, stream="side")
+    a.free("batch")
+    reserved = a.reserved
+    a.replay(0)  # the next step's copy reuses the side stream's block: nothing more reserved
+    assert a.reserved == reserved == 12 * MiB
