@@ -95,7 +95,7 @@ def resolve_checkpoint(path: str | Path, log: Callable[[str], None] | None = Non
     path = Path(path)
     if not path.is_dir() or is_directory_checkpoint(path) or is_dcp_checkpoint(path):
         return path
-    latest = read_latest(path) if (path / LATEST_FILE).is_file() or find_checkpoints(path) else None
+    latest = read_latest(path)  # None, without a word, when it holds neither a pointer nor checkpoints
     if latest is None:
         raise CheckpointError(f"{path}: a directory without a checkpoint: give a checkpoint file, a sharded checkpoint "
                               f"directory (holding {EXTRAS_FILE} or .metadata) or a work dir holding {LATEST_FILE} or "
