@@ -1,7 +1,7 @@
 """The speed levers as plan axes: which of them a target device and a model allow, and what the planner's
 fake step runs of a plan that has them.
 
-The levers (``channels_last``, a ``fused`` optimizer, TF32, cuDNN's benchmark, regional ``torch.compile``)
+The levers (``channels_last``, a ``fused`` optimizer, TF32, cuDNN's benchmark, ``torch.compile``)
 change a step's time, not what it must hold: channels_last stores the same bytes in another order, TF32 and
 the benchmark choose kernels, and a fused optimizer step holds less than torch's default ``foreach`` step (no
 parameter-sized temporaries). So the plan space is not multiplied by them: every plan the planner enumerates

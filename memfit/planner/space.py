@@ -19,18 +19,17 @@ from typing import Any
 from torch import nn
 
 from memfit.errors import ConfigError
-from memfit.model.blocks import CONTAINERS as _CONTAINERS  # noqa: F401 (importable here as before)
 from memfit.model.blocks import find_blocks as _blocks
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SHARDINGS = ("none", "zero1", "zero2", "fsdp")
 OFFLOADS = ("none", "params", "optimizer")
 _AC_ORDER = ("none", "stages", "every2", "selective", "blocks")  # roughly: least recompute first
-# The speed levers: a plan's field -> its word in the plan's name (in this order, before mbBxK).
 # A compiled plan's ``compile`` when the config gives none: the whole model in one graph. Measured on an H100
 # (docs/speed.md), regional compile's host time per block made it slower than whole-model compile (ResNet-50:
 # slower than eager).
 COMPILED_PLAN = {"regional": False}
+# The speed levers: a plan's field -> its word in the plan's name (in this order, before mbBxK).
 LEVER_WORDS = {"compile": "compile", "channels_last": "channels_last", "fused_optimizer": "fused", "tf32": "tf32",
                "cudnn_benchmark": "cudnn_benchmark"}
 
@@ -111,8 +110,9 @@ class Plan:
     gathered parameters until backward, SHARD_GRAD_OP) | fsdp (ZeRO-3); ``offload``: none | params
     (FSDP's CPU offload of parameters, gradients and optimizer state) | optimizer (the optimizer's state
     and step on the host, ``cfg.optimizer_offload``); the speed levers (:data:`LEVER_WORDS`): ``compile``
-    (regional torch.compile), ``channels_last``, ``fused_optimizer``, ``tf32`` (matmuls and convolutions),
-    ``cudnn_benchmark``; ``configured``: the config's own plan, applied as it is."""
+    (torch.compile: :data:`COMPILED_PLAN` unless the config gives its options), ``channels_last``,
+    ``fused_optimizer``, ``tf32`` (matmuls and convolutions), ``cudnn_benchmark``; ``configured``: the config's
+    own plan, applied as it is."""
 
     precision: str = "fp32"
     activation_checkpointing: str = "none"
@@ -187,8 +187,8 @@ class Plan:
 
     def _apply_levers(self, cfg: dict) -> None:
         """The levers outside ``cfg=dict(...)``: top-level ``compile`` (the config's own compile options kept, else
-        :data:`COMPILED_PLAN`),
-        ``env_cfg.cudnn_benchmark`` (other env_cfg keys kept), the optimizer's ``fused`` (``foreach`` removed)."""
+        :data:`COMPILED_PLAN`), ``env_cfg.cudnn_benchmark`` (other env_cfg keys kept), the optimizer's ``fused``
+        (``foreach`` removed)."""
         if not self.compile:
             cfg.pop("compile", None)
         elif not cfg.get("compile"):
