@@ -56,7 +56,7 @@ def measure(cfg: dict, steps: int) -> dict[str, Any]:
     """:func:`memfit.planner.bench.measure_plan`'s protocol on ``cfg`` as it is (set up by the runner's own
     code), timing each step by this process's CPU clock beside the wall clock."""
     from memfit.connector import setup
-    from memfit.memory.measure import MemoryTracker
+    from memfit.measure import MemoryTracker
     from memfit.optim.builder import scale_lr_cfg
     from memfit.planner.fake import first_batch
     from memfit.planner.space import technique_cfg

@@ -19,7 +19,7 @@ from torch import nn
 
 from memfit import dist
 from memfit.connector import setup
-from memfit.memory.measure import MB, MemoryTracker
+from memfit.measure import MB, MemoryTracker
 from memfit.model import BaseModel
 from memfit.strategies import DDPStrategy, FSDPStrategy
 

@@ -22,7 +22,7 @@ from techniques import tracked_and_timed  # benchmarks/ is the script's director
 from torch import nn
 
 from memfit.connector import setup
-from memfit.memory.measure import MB
+from memfit.measure import MB
 from memfit.strategies import SingleDeviceStrategy
 
 RESULTS = Path(__file__).parent / "results"

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torchvision.ops import FrozenBatchNorm2d
 
-from memfit.memory.measure import MB
+from memfit.measure import MB
 from memfit.planner.bench import bench, measure_plan
 from memfit.planner.commands import default_bench_plans
 from memfit.planner.devices import Device, this_cpu

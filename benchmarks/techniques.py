@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.measure import MB, MemoryTracker
 from memfit.memory.checkpointing import apply_activation_checkpointing
-from memfit.memory.measure import MB, MemoryTracker
 
 RESULTS = Path(__file__).parent / "results"
 LAYERS = ["layer1", "layer2", "layer3", "layer4"]

@@ -1,7 +1,7 @@
 """MemoryMonitorHook: the peak memory of logged training iterations, with its breakdown.
 
 ``custom_hooks=[dict(type='MemoryMonitorHook')]`` wraps every logged training iteration in a
-:class:`memfit.memory.measure.MemoryTracker` and puts ``memory/peak_mb``, ``memory/activations_mb``,
+:class:`memfit.measure.MemoryTracker` and puts ``memory/peak_mb``, ``memory/activations_mb``,
 ``memory/parameters_mb``, ``memory/gradients_mb``, ``memory/optimizer_state_mb``,
 ``memory/buffers_mb``, ``memory/communication_mb`` and ``memory/inputs_mb`` (MB = 2**20 bytes) into
 the message hub.
@@ -17,7 +17,7 @@ from typing import Any
 
 from memfit.errors import type_or_value_error
 from memfit.hooks.base import Hook
-from memfit.memory.measure import CATEGORIES, MB, MemoryTracker
+from memfit.measure import CATEGORIES, MB, MemoryTracker
 from memfit.registry import HOOKS
 
 DEFAULT_INTERVAL = 10  # the LoggerHook's default, used when no LoggerHook is registered

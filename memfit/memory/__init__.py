@@ -2,12 +2,16 @@
 
 ``apply_memory_techniques`` reads the seeds' switches from the runner's ``cfg`` and applies each in
 an order that composes: Conv-BN folding, activation checkpointing, activation offload. (fp32
-islands belong to the precision: :mod:`memfit.precision.fp32_islands`.)
+islands belong to the precision: :mod:`memfit.precision.fp32_islands`.) Each technique is a module of its
+own (``conv_bn``, ``checkpointing``, ``offload``; ``wrapping`` is the forward replacement the last two
+share). Measuring what they save is :mod:`memfit.measure`'s work, not this package's.
 """
 
 from __future__ import annotations
 
 from torch import nn
+
+__all__ = ["apply_memory_techniques"]
 
 
 def apply_memory_techniques(model: nn.Module, cfg: dict) -> None:

@@ -20,8 +20,7 @@ from typing import Any
 
 import torch
 
-from memfit.memory.measure import MemoryTracker
-from memfit.memory.storages import optimizer_state_tensors
+from memfit.measure import MemoryTracker, optimizer_state_tensors
 from memfit.planner.inputs import Inputs
 from memfit.planner.space import ModelFacts, Plan, technique_cfg
 

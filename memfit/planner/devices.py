@@ -28,7 +28,7 @@ MiB = 2**20
 # (mem_get_info's used minus memory_reserved), 767-775 MiB for Swin-L, ViT and DINO (621 MiB before the
 # first kernel). NCCL: its channel buffers (4 MiB NCCL_BUFFSIZE x 2 x channels x peers), about 250-400
 # MiB per rank for 8 GPUs (NCCL's docs; one GPU cannot measure it). The allocator's rounding and segment
-# slack are simulated (memfit.memory.caching_allocator), not a constant.
+# slack are simulated (memfit.measure.caching_allocator), not a constant.
 CUBLAS_BLOCKS = (32 * MiB, 1 * MiB, 32 * MiB, 1 * MiB)
 CUBLAS_WORKSPACE = sum(CUBLAS_BLOCKS)
 CUDA_CONTEXT = 780 * MiB

@@ -37,9 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from memfit.errors import ConfigError
-from memfit.memory.caching_allocator import CachingAllocatorModel
-from memfit.memory.measure import MemoryTracker
-from memfit.memory.storages import optimizer_state_tensors, storages
+from memfit.measure import CachingAllocatorModel, MemoryTracker, optimizer_state_tensors, storages
 from memfit.planner.devices import CUBLAS_BLOCKS
 from memfit.planner.space import technique_cfg
 

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from memfit.memory.caching_allocator import CachingAllocatorModel
+from memfit.measure import CachingAllocatorModel
 from memfit.planner.timeline import ALLOC, FREE, OP, Timeline
 
 

@@ -19,9 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.memory.caching_allocator import CachingAllocatorModel
+from memfit.measure import CachingAllocatorModel, storages
 from memfit.memory.checkpointing import DEFAULT_SAVE_OPS, resolve_ops
-from memfit.memory.storages import storages
 
 _DETACH = torch.ops.aten.detach.default
 

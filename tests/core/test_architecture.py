@@ -15,15 +15,19 @@ import memfit
 ROOT = Path(memfit.__file__).parent
 MAX_LINES = 450
 
-# Lower layers never import higher ones. Anything not listed is the top layer (runner, loops, ...).
+# Lower layers never import higher ones (docs/architecture.md's table). Anything not listed is the top
+# layer (runner, loops, hooks, cli, ...).
 LAYERS = {
     "memfit._version": 0, "memfit.errors": 0, "memfit.dist": 0, "memfit.registry": 0,
+    "memfit.measure": 0,  # the measurement engine: the memory techniques may use it, it never uses them
     "memfit.checkpoint": 1, "memfit.precision": 1, "memfit.memory": 1, "memfit.model": 1, "memfit.data": 1,
     "memfit.evaluator": 1, "memfit.config": 1, "memfit.logger": 1,
     "memfit.strategies": 2, "memfit.speed": 2,
     "memfit.optim": 3,  # a wrapper used on its own makes itself a one-device strategy
+    "memfit.connector": 4,
+    "memfit.planner": 5,  # runs connector.setup on fake tensors; the runner's auto_fit calls it
 }
-TOP = 4
+TOP = 6
 
 
 def _module_name(path: Path) -> str:
@@ -142,6 +146,15 @@ def test_layers_import_only_downwards():
     upward = sorted(f"{m} -> {d}" for m, deps in GRAPH.items() for d in deps
                     if _layer(d) > _layer(m) and _layer(m) < TOP)
     assert upward == [], "\n".join(upward)
+
+
+def test_the_planner_sits_between_the_connector_and_the_runner():
+    planner_deps = {d for m, deps in GRAPH.items() if m.startswith("memfit.planner.") for d in deps}
+    assert "memfit.connector" in planner_deps  # it sets plans up as the runner does
+    assert "memfit.planner.autofit" in GRAPH["memfit.runner"]  # Runner.from_cfg's auto_fit
+    assert _layer("memfit.connector") < _layer("memfit.planner") < _layer("memfit.runner") == TOP
+    # Never the runner, nor anything else of the top layer (also caught by the test above).
+    assert sorted(d for d in planner_deps if _layer(d) == TOP) == []
 
 
 def test_checkpoint_formats_do_not_live_in_strategies():

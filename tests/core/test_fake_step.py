@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memfit.memory.measure import MemoryTracker
+from memfit.measure import MemoryTracker
 from memfit.model import BaseModel
 from memfit.optim import AmpOptimWrapper, OptimWrapper
 

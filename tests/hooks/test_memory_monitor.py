@@ -13,7 +13,7 @@ import memfit.hooks.memory as memory_hook
 from memfit.errors import ConfigError
 from memfit.hooks.memory import MemoryMonitorHook
 from memfit.logger import MessageHub
-from memfit.memory.measure import CATEGORIES, MB
+from memfit.measure import CATEGORIES, MB
 from memfit.model import BaseModel
 from memfit.runner import Runner
 

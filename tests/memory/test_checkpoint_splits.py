@@ -13,8 +13,8 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 import memfit.memory.checkpointing as ckpt
 from memfit.errors import ConfigError
+from memfit.measure import MemoryTracker
 from memfit.memory.checkpointing import apply_activation_checkpointing
-from memfit.memory.measure import MemoryTracker
 
 
 @pytest.fixture

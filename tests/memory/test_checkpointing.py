@@ -12,8 +12,8 @@ import torchvision
 from torch import nn
 
 from memfit.errors import ConfigError
+from memfit.measure import MemoryTracker
 from memfit.memory.checkpointing import apply_activation_checkpointing
-from memfit.memory.measure import MemoryTracker
 
 LAYERS = ["layer1", "layer2", "layer3", "layer4"]
 

@@ -16,8 +16,8 @@ from torch import nn
 from torchvision.ops import FrozenBatchNorm2d
 
 from memfit.errors import ConfigError
+from memfit.measure import MemoryTracker
 from memfit.memory.conv_bn import apply_efficient_conv_bn_eval
-from memfit.memory.measure import MemoryTracker
 
 TOL = dict(atol=1e-5, rtol=1e-4)
 

@@ -12,8 +12,8 @@ import torchvision
 from torch import nn
 
 from memfit.errors import ConfigError
+from memfit.measure import MemoryTracker
 from memfit.memory.checkpointing import apply_activation_checkpointing
-from memfit.memory.measure import MemoryTracker
 from memfit.memory.offload import apply_activation_offload
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memfit.memory.measure import MemoryTracker
+from memfit.measure import MemoryTracker
 from memfit.model.detection.dino.attention import CHUNK_ELEMENTS, _query_chunks, multi_scale_deformable_attn
 
 SHAPES = ((12, 16), (6, 8), (3, 4), (2, 1))  # four levels of different shapes

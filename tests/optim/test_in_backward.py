@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from memfit.errors import ConfigError
-from memfit.memory.measure import MemoryTracker
+from memfit.measure import MemoryTracker
 from memfit.optim.in_backward import OptimizerInBackward, check_in_backward_compatible
 from memfit.optim.param_groups import build_param_groups
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from memfit.connector import setup
 from memfit.errors import ConfigError
-from memfit.memory.measure import MemoryTracker
+from memfit.measure import MemoryTracker
 from memfit.optim.offload import OffloadedOptimizer
 from memfit.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
 

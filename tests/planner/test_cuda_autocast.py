@@ -15,7 +15,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.memory.measure import MemoryTracker
+from memfit.measure import MemoryTracker
 from memfit.planner.cuda_autocast import CPU_POLICIES, CUDA_ONLY, CUDA_POLICIES, cuda_autocast_on_cpu
 
 BF16, F32 = torch.bfloat16, torch.float32

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from memfit.config import Config
-from memfit.memory.live_storages import CATEGORIES
+from memfit.measure import CATEGORIES
 from memfit.planner.devices import gpu, this_cpu
 from memfit.planner.fake import build_meta_model, fake_process_group, measure_step
 from memfit.planner.levers import fake_step_cfg

@@ -14,7 +14,7 @@ from torch import nn
 
 from memfit.connector import setup
 from memfit.errors import ConfigError
-from memfit.memory.measure import MemoryTracker
+from memfit.measure import MemoryTracker
 from memfit.model import BaseModel, DetDataPreprocessor
 from memfit.speed import apply_channels_last, to_channels_last
 from memfit.strategies import SingleDeviceStrategy

@@ -15,7 +15,7 @@ from equivalence import DIM, GLOBAL_BATCH, STEPS, Net, data, full_params
 
 from memfit import dist
 from memfit.connector import setup
-from memfit.memory.measure import MemoryTracker
+from memfit.measure import MemoryTracker
 from memfit.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
 from memfit.testing import write_result
 

@@ -1,5 +1,5 @@
 """MemoryTracker with fp32 master weights (Apex O2): the masters are optimizer state, their gradients
-gradients (tests/memory/test_measure.py: the other parts of a step, fake tensors, FSDP2 and DDP)."""
+gradients (tests/measure/test_tracker.py: the other parts of a step, fake tensors, FSDP2 and DDP)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.connector import setup
-from memfit.memory.measure import MemoryTracker
+from memfit.measure import MemoryTracker
 from memfit.model import BaseModel
 from memfit.strategies import SingleDeviceStrategy
 

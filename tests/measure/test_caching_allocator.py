@@ -1,4 +1,4 @@
-"""The model of PyTorch's CUDA caching allocator (memfit.memory.caching_allocator): its rules, one by
+"""The model of PyTorch's CUDA caching allocator (memfit.measure.caching_allocator): its rules, one by
 one, as CUDACachingAllocator.cpp applies them with default settings.
 
 The model against the real allocator is test_allocator_traces.py (recorded traces of training steps; on a
@@ -15,7 +15,7 @@ after ``empty_cache``). The new test starts from the segments it finds and needs
 
 import pytest
 
-from memfit.memory.caching_allocator import CachingAllocatorModel, round_size, segment_size
+from memfit.measure.caching_allocator import CachingAllocatorModel, round_size, segment_size
 
 KiB, MiB = 2**10, 2**20
 

@@ -1,6 +1,6 @@
 """MemoryTracker: the same peak and breakdown as torch's MemTracker, the same on fake tensors; FSDP2 and
 DDP labelled (on a fake process group of N ranks in this process). fp32 master weights:
-tests/memory/test_measure_master_weights.py."""
+tests/measure/test_tracker_master_weights.py."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from memfit.memory.measure import CATEGORIES, MB, MemoryTracker
+from memfit.measure import CATEGORIES, MB, MemoryTracker
 
 
 def mlp() -> nn.Module:

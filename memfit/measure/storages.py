@@ -1,6 +1,6 @@
 """What holds memory in a training step: the storages behind (nested) tensors, an optimizer's state,
 the parameters it steps, and FSDP2's per-parameter records. Shared by the tracker
-(:mod:`memfit.memory.measure`) and the planner."""
+(:mod:`memfit.measure.tracker`) and the planner."""
 
 from __future__ import annotations
 

@@ -70,9 +70,9 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from memfit.memory.caching_allocator import CachingAllocatorModel
-from memfit.memory.live_storages import CATEGORIES, HOST, LiveStorages
-from memfit.memory.storages import (
+from memfit.measure.caching_allocator import CachingAllocatorModel
+from memfit.measure.live_storages import CATEGORIES, HOST, LiveStorages
+from memfit.measure.storages import (
     fsdp_params,
     host_tensors,
     is_host_resident,

@@ -15,7 +15,7 @@ or garbage collection; segments are never released during training):
   large one under 10 MiB, else the request rounded up to 2 MiB;
 * a freed block merges with free neighbours of its segment.
 
-Checked against the real allocator's traces of training steps (tests/memory/test_allocator_traces.py):
+Checked against the real allocator's traces of training steps (tests/measure/test_allocator_traces.py):
 given cudaMalloc's segment addresses, every block lands where torch put it; see docs/planner.md.
 """
 

@@ -1,6 +1,6 @@
-"""The live-storage tracker behind :class:`memfit.memory.measure.MemoryTracker` on CPU, meta and fake
+"""The live-storage tracker behind :class:`memfit.measure.tracker.MemoryTracker` on CPU, meta and fake
 tensors: a ``TorchDispatchMode`` that keeps the running total and peak of live storage bytes by category
-(the accounting is described in :mod:`memfit.memory.measure`)."""
+(the accounting is described in :mod:`memfit.measure.tracker`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.memory.caching_allocator import CachingAllocatorModel
-from memfit.memory.storages import storages
+from memfit.measure.caching_allocator import CachingAllocatorModel
+from memfit.measure.storages import storages
 
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "communication", "inputs")
 # Host memory a device step holds (an offloaded optimizer's copies and state): kept apart from the device's

@@ -1,4 +1,4 @@
-"""The simulated CUDA caching allocator (memfit.memory.caching_allocator) against the real one: traces of
+"""The simulated CUDA caching allocator (memfit.measure.caching_allocator) against the real one: traces of
 three training steps of six memfit runs recorded on an H100 with torch 2.11.0+cu130, CUDA 13.0, default
 allocator settings (tests/fixtures/allocator/README.md; the format: benchmarks/allocator_trace_format.py).
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfit.memory.caching_allocator import CachingAllocatorModel
+from memfit.measure import CachingAllocatorModel
 
 MiB = 2**20
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "allocator" / "h100_torch2.11_cuda13.json.gz"
