@@ -53,13 +53,11 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = _load_cfg(args)
     if args.amp:
-        ow = dict(cfg.get("optim_wrapper") or {})
-        if ow.get("type", "OptimWrapper") in ("OptimWrapper", "AmpOptimWrapper"):
-            ow["type"] = "AmpOptimWrapper"
-            ow.setdefault("loss_scale", "dynamic")
-            cfg["optim_wrapper"] = ow
-        else:
-            print(f"memfit: --amp ignored: optim_wrapper.type is {ow.get('type')!r}", file=sys.stderr)
+        from memfit.precision import with_amp
+
+        cfg["optim_wrapper"], ignored = with_amp(cfg.get("optim_wrapper"))
+        if ignored:
+            print(f"memfit: {ignored}", file=sys.stderr)
     if args.resume is not None:
         cfg["resume"] = True if args.resume == "auto" else args.resume
     if args.auto_scale_lr:

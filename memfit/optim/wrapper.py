@@ -19,7 +19,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from memfit.errors import ConfigError, ConfigTypeError, type_or_value_error, warn_ignored
-from memfit.precision import Precision, amp_precision, parse_dtype
+from memfit.precision import Precision, parse_dtype, resolve_precision
 from memfit.precision.scaler import check_loss_scale
 from memfit.registry import OPTIM_WRAPPERS
 
@@ -70,8 +70,9 @@ class OptimWrapper:
         self._bn_warned = False
 
     # -- strategy and precision ----------------------------------------------------------------
-    def requested_precision(self, device_type: str) -> Precision | None:
-        """The precision this wrapper's arguments ask for (None: none in particular)."""
+    def amp_options(self) -> dict | None:
+        """What this wrapper asks of the precision (``AmpOptimWrapper``: dtype, loss_scale, fp32_modules), or
+        None; :func:`memfit.precision.resolve_precision` decides."""
         return None
 
     @property
@@ -84,7 +85,7 @@ class OptimWrapper:
             device = next((p.device for g in self.optimizer.param_groups for p in g["params"]), torch.device("cpu"))
             strategy = SingleDeviceStrategy()
             strategy.device = device
-            strategy.set_precision(self.requested_precision(device.type) or Precision(device.type))
+            strategy.set_precision(resolve_precision(self, strategy, device.type))
             self._strategy = strategy
         return self._strategy
 
@@ -290,8 +291,8 @@ class AmpOptimWrapper(OptimWrapper):
         self.loss_scale = loss_scale
         self.fp32_modules = list(fp32_modules or [])
 
-    def requested_precision(self, device_type: str) -> Precision:
-        return amp_precision(self.dtype, device_type, self.loss_scale, self.fp32_modules)
+    def amp_options(self) -> dict | None:
+        return dict(dtype=self.dtype, loss_scale=self.loss_scale, fp32_modules=self.fp32_modules)
 
     @property
     def skipped_steps(self) -> torch.Tensor:

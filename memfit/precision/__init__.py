@@ -19,8 +19,9 @@ from memfit.precision.base import (
 )
 from memfit.precision.half import HalfPrecision
 from memfit.precision.master import MasterWeightsPrecision, precision_from_cfg, precision_options
+from memfit.precision.resolve import amp_request, resolve_precision, with_amp
 from memfit.precision.scaler import ScaledPrecision
 
 __all__ = ["APEX_OPT_LEVELS", "CPU_BF16_ENV", "AutocastPrecision", "HalfPrecision", "MasterWeightsPrecision",
            "Precision", "ScaledPrecision", "amp_precision", "cpu_has_native_bf16", "default_amp_dtype", "dtype_name",
-           "parse_dtype", "precision_from_cfg", "precision_options"]
+           "amp_request", "parse_dtype", "precision_from_cfg", "precision_options", "resolve_precision", "with_amp"]
