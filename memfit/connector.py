@@ -3,9 +3,11 @@ Strategy holding one Precision, and sets the model up in torchtitan's order (mem
 speed levers, compile, then the strategy's wrapping).
 
 Lightning Fabric's split: a strategy and a precision are separate objects; this small module
-chooses them, maps MMEngine's names onto them (``AmpOptimWrapper`` asks for autocast,
-``DeepSpeedOptimWrapper``/``ZeroOptimWrapper``/``ColossalAIOptimWrapper`` name a backend,
-``model_wrapper_cfg`` a strategy) and rejects combinations that cannot work, in one line each.
+chooses them, maps MMEngine's names onto them (``AmpOptimWrapper`` asks for autocast, decided by
+:func:`memfit.precision.resolve_precision`; ``DeepSpeedOptimWrapper``/``ZeroOptimWrapper``/
+``ColossalAIOptimWrapper`` name a backend, found through the strategies' declared capabilities) and
+rejects combinations that cannot work, in one line each. It asks a strategy what it does
+(:class:`memfit.strategies.Capabilities`), never its name.
 """
 
 from __future__ import annotations
@@ -16,26 +18,26 @@ from torch import nn
 
 from memfit import dist
 from memfit.errors import ConfigError
-from memfit.precision import (
-    AutocastPrecision,
-    HalfPrecision,
-    MasterWeightsPrecision,
-    Precision,
-    amp_precision,
-    parse_dtype,
-    precision_from_cfg,
-)
-from memfit.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+from memfit.precision import MasterWeightsPrecision, Precision, resolve_precision
+from memfit.registry import STRATEGIES
+from memfit.strategies import Capabilities, Strategy
 
-# MMEngine optimizer-wrapper names that stand for a backend: name -> the strategy class they need.
-BACKEND_WRAPPERS = {
-    "DeepSpeedOptimWrapper": "DeepSpeedStrategy",
-    "ColossalAIOptimWrapper": "ColossalAIStrategy",
-    "ZeroOptimWrapper": "DDPStrategy",  # ZeRO-1: DDPStrategy(zero=True)
-}
-_STRATEGY_HINTS = {"DeepSpeedStrategy": "strategy=dict(type='DeepSpeedStrategy', ...)",
-                   "ColossalAIStrategy": "strategy=dict(type='ColossalAIStrategy', ...)",
-                   "DDPStrategy": "strategy='ddp' (DDPStrategy)"}
+
+def backend_wrappers() -> dict[str, Capabilities]:
+    """MMEngine optimizer-wrapper names that stand for a backend (``DeepSpeedOptimWrapper``), each with the
+    capabilities of the registered strategy that declares it (``Capabilities.optim_wrappers``)."""
+    out: dict[str, Capabilities] = {}
+    for name in STRATEGIES.names():
+        declared = getattr(STRATEGIES.get(name), "capabilities", None)
+        if isinstance(declared, Capabilities):  # a class attribute; a property is read from an instance
+            caps = declared
+        else:
+            try:
+                caps = STRATEGIES.get(name)().capabilities
+            except Exception:  # noqa: BLE001 - a strategy that needs arguments declares nothing here
+                continue
+        out.update({wrapper: caps for wrapper in caps.optim_wrappers})
+    return out
 
 
 def _type_name(kind: Any) -> str:
@@ -53,7 +55,7 @@ def resolve_optim_wrapper(cfg: Any, strategy: Strategy) -> Any:
     if is_multi_optim_cfg(cfg):
         for name, sub in cfg.items():
             kind = _type_name(sub.get("type", "OptimWrapper")) if isinstance(sub, dict) else type(sub).__name__
-            if kind in BACKEND_WRAPPERS:
+            if kind in backend_wrappers():
                 raise ConfigError(f"optim_wrapper.{name}.type={kind!r}: a backend wrapper cannot be one of several "
                                   "optimizers; use OptimWrapper or AmpOptimWrapper for each")
         return cfg
@@ -69,71 +71,23 @@ def resolve_optim_wrapper(cfg: Any, strategy: Strategy) -> Any:
                               "dict(type='ZeroRedundancyOptimizer', optimizer_type='AdamW', lr=...)")
         cfg["optimizer"] = {"type": optimizer.pop("optimizer_type"), **optimizer}
         kind = "ZeroOptimWrapper" if kind == "OptimWrapper" else kind
-    needed = BACKEND_WRAPPERS.get(kind)
+    needed = backend_wrappers().get(kind)
     if needed is None:
         return cfg
-    if type(strategy).__name__ != needed:
-        extra = "; FSDPStrategy already shards the optimizer" if needed == "DDPStrategy" else ""
-        raise ConfigError(f"optim_wrapper.type={kind!r} needs {_STRATEGY_HINTS[needed]}, not "
+    if kind not in strategy.capabilities.optim_wrappers:
+        extra = f"; {type(strategy).__name__} already shards the optimizer" \
+            if "optimizer" in strategy.capabilities.shards else ""
+        raise ConfigError(f"optim_wrapper.type={kind!r} needs {needed.config_hint}, not "
                           f"{type(strategy).__name__}: use OptimWrapper or AmpOptimWrapper with it{extra}")
-    if isinstance(strategy, DDPStrategy):
-        strategy.zero = True
+    strategy.use_optim_wrapper(kind)
     cfg["type"] = "OptimWrapper"
     return cfg
 
 
-def _autocast_options(cfg: Any) -> dict | None:
-    """dtype/loss_scale/fp32_modules when the wrapper is an AmpOptimWrapper (config or object), else None."""
-    from memfit.optim.builder import is_multi_optim_cfg
-    from memfit.optim.wrapper import AmpOptimWrapper
-    from memfit.optim.wrapper_dict import OptimWrapperDict
-
-    subs = cfg.optim_wrappers if isinstance(cfg, OptimWrapperDict) else cfg if is_multi_optim_cfg(cfg) else None
-    if subs is not None:  # several optimizers share the run's one precision: they must agree
-        options = {name: _autocast_options(sub) for name, sub in subs.items()}
-        if len({repr(o) for o in options.values()}) > 1:
-            raise ConfigError(f"optim_wrapper: the optimizers ask for different precisions ({options}): the model "
-                              "runs in one; give every entry the same type (AmpOptimWrapper) and dtype")
-        return next(iter(options.values()), None)
-    if isinstance(cfg, AmpOptimWrapper):
-        return dict(dtype=cfg.dtype, loss_scale=cfg.loss_scale, fp32_modules=cfg.fp32_modules)
-    if isinstance(cfg, dict) and _type_name(cfg.get("type")) == "AmpOptimWrapper":
-        return dict(dtype=parse_dtype(cfg.get("dtype"), "optim_wrapper.dtype"),
-                    loss_scale=cfg.get("loss_scale", "dynamic"), fp32_modules=cfg.get("fp32_modules"))
-    return None
-
-
 def select_precision(optim_wrapper: Any, strategy: Strategy, precision_cfg: dict | None = None) -> Precision:
-    """The run's one precision, from the Runner's ``precision=dict(opt_level=...)`` (Apex's levels), the
-    optimizer wrapper (``AmpOptimWrapper``: autocast) or the strategy's own options (DeepSpeed's
-    fp16/bf16/torch_autocast, FSDP's mixed_precision, colossalai's mixed_precision); given to the
-    strategy, which refuses what its backend cannot run. Two of these at once are refused."""
-    device_type = strategy.device.type
-    amp = _autocast_options(optim_wrapper)
-    requested = strategy.precision_request()
-    where = type(strategy).__name__
-    if precision_cfg is not None:
-        precision = precision_from_cfg(precision_cfg, device_type)
-        level = precision_cfg.get("opt_level")
-        if amp is not None:
-            raise ConfigError(f"precision=dict(opt_level={level!r}) and AmpOptimWrapper both set the precision: keep "
-                              "one (opt_level='O1' is AmpOptimWrapper's autocast)")
-        if requested is not None:
-            raise ConfigError(f"precision=dict(opt_level={level!r}) and {where}'s own precision options "
-                              f"({requested.name}) both set the precision: keep one")
-    elif amp is None:
-        precision = requested or Precision(device_type)
-    else:
-        if isinstance(requested, HalfPrecision):
-            raise ConfigError(f"AmpOptimWrapper (torch autocast) and {where}'s whole-model {requested.name} "
-                              "(parameters cast to half) are two precisions: keep one")
-        dtype = amp["dtype"]
-        if isinstance(requested, AutocastPrecision):
-            if dtype is not None and dtype != requested.dtype:
-                raise ConfigError(f"{where} asks for autocast in {requested.name[:4]} and optim_wrapper.dtype for "
-                                  f"{str(dtype).removeprefix('torch.')}: they disagree, set one of them")
-            dtype = requested.dtype
-        precision = amp_precision(dtype, device_type, amp["loss_scale"], amp["fp32_modules"])
+    """The run's one precision (:func:`memfit.precision.resolve_precision`), given to the strategy, which
+    refuses what its backend cannot run."""
+    precision = resolve_precision(optim_wrapper, strategy, strategy.device.type, precision_cfg)
     strategy.set_precision(precision)
     return precision
 
@@ -144,7 +98,7 @@ def _check_in_backward(strategy: Strategy, optim_wrapper: Any, precision: Precis
     if isinstance(precision, MasterWeightsPrecision):
         raise ConfigError(f"cfg.optimizer_in_backward and precision opt_level={precision.opt_level!r}: the master "
                           "weights step after the whole backward; use one of them")
-    if type(strategy) is not SingleDeviceStrategy or dist.get_world_size() > 1:
+    if not strategy.capabilities.one_device or dist.get_world_size() > 1:
         raise ConfigError(f"cfg.optimizer_in_backward runs in one process on one device only "
                           f"({type(strategy).__name__}, world size {dist.get_world_size()}): gradients would be "
                           "stepped before they are reduced across ranks or by the backend's optimizer; remove it")
@@ -153,23 +107,19 @@ def _check_in_backward(strategy: Strategy, optim_wrapper: Any, precision: Precis
     check_in_backward_compatible(counts, clip, grad_scaler=getattr(precision, "scaler", None))
 
 
-_OWN_OFFLOAD = {"DeepSpeedStrategy": "zero_optimization=dict(offload_optimizer=dict(device='cpu'))",
-                "ColossalAIStrategy": "its GeminiPlugin's placement_policy / offload_optim_frac"}
-
-
 def _check_offload(strategy: Strategy, precision: Precision, in_backward: bool) -> None:
     """Optimizer offload runs where memfit builds and steps the optimizer over the model's parameters."""
-    name = type(strategy).__name__
-    if name in _OWN_OFFLOAD:
+    name, caps = type(strategy).__name__, strategy.capabilities
+    if caps.own_offload:
         raise ConfigError(f"cfg.optimizer_offload is memfit's; {name} offloads its own optimizer: use "
-                          f"{_OWN_OFFLOAD[name]} instead")
-    if getattr(strategy, "zero", False):
-        raise ConfigError("cfg.optimizer_offload and ZeRO-1 (DDPStrategy zero=True): ZeroRedundancyOptimizer builds "
-                          "its own optimizer; use strategy=dict(type='FSDPStrategy', reshard_after_forward=False) "
-                          "(ZeRO-2) with optimizer_offload, or drop zero")
-    if getattr(strategy, "cpu_offload", False):
-        raise ConfigError("cfg.optimizer_offload and FSDPStrategy cpu_offload=True: CPU offload already keeps the "
-                          "optimizer (and the parameters) on the host; use one of them")
+                          f"{caps.own_offload} instead")
+    if caps.own_optimizer:
+        raise ConfigError(f"cfg.optimizer_offload and {name} ({caps.sharding}): the backend builds its own optimizer "
+                          "(ZeRO-1's ZeroRedundancyOptimizer); use strategy=dict(type='FSDPStrategy', "
+                          "reshard_after_forward=False) (ZeRO-2) with optimizer_offload, or drop zero")
+    if caps.offloads_parameters:
+        raise ConfigError(f"cfg.optimizer_offload and {name}'s parameter offload (cpu_offload=True): it already keeps "
+                          "the optimizer (and the parameters) on the host; use one of them")
     if isinstance(precision, MasterWeightsPrecision):
         raise ConfigError(f"cfg.optimizer_offload and precision opt_level={precision.opt_level!r}: the fp32 master "
                           "weights would stay on the device; use optim_wrapper=dict(type='AmpOptimWrapper') instead")
@@ -195,7 +145,7 @@ def _check_built_several_optimizers(wrapper: Any, strategy: Strategy) -> None:
 
     if isinstance(wrapper, OptimWrapperDict):
         check_several_optimizers(strategy, dist.get_world_size())
-        if isinstance(strategy, DDPStrategy) and strategy.ddp is not None:
+        if getattr(strategy, "ddp", None) is not None:
             raise ConfigError("optim_wrapper.constructor built several optimizers after the model was wrapped in one "
                               "DDP: set strategy=dict(type='DDPStrategy', separate=True) (one DDP per submodule)")
 
@@ -232,7 +182,7 @@ def setup(model: nn.Module, strategy: Strategy, optim_wrapper: Any = None, techn
     if techniques:
         apply_memory_techniques(model, techniques)
     if techniques and techniques.get("channels_last"):
-        apply_channels_last(model, weights=not strategy.contiguous_parameters)
+        apply_channels_last(model, weights=not strategy.capabilities.contiguous_parameters)
     precision_policy.convert_module(model)
     if compile_options is not None:
         apply_compile(model, compile_options)

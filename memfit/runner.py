@@ -105,9 +105,9 @@ class Runner(RunnerCheckpoints):
         env = EnvCfg.from_dict(env_cfg, "env_cfg")
         if strategy is None:
             strategy = self._strategy_from_cfg()
-        if strategy is None and launcher != "none" and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-            strategy = "ddp"  # launched as several processes with no strategy: data parallel, as MMEngine does
-        self.strategy = build_strategy(strategy)
+        # Launched as several processes with no strategy: data parallel, as MMEngine does.
+        launched = int(os.environ.get("WORLD_SIZE", 1)) if launcher != "none" else 1
+        self.strategy = build_strategy(strategy, launched)
         self.strategy.setup_env(launcher, {"dist_cfg": env.dist_cfg, "cudnn_benchmark": env.cudnn_benchmark})
         self.randomness = Randomness.from_dict(randomness, "randomness")
         self.seed = self._set_seed(self.randomness)

@@ -55,7 +55,7 @@ class CheckInvalidLossHook(Hook):
         if self.action != "skip" or wrapper is None:
             return
         strategy = type(runner.strategy).__name__
-        if strategy != "SingleDeviceStrategy" or runner.world_size > 1:
+        if not runner.strategy.capabilities.one_device or runner.world_size > 1:
             raise ConfigError(f"check_invalid_loss: action='skip' runs in one process on one device, not {strategy} "
                               f"at world size {runner.world_size}: use action='stop'")
         wrapper.skip_nonfinite = True

@@ -72,8 +72,7 @@ def _measure_plan(cfg: dict, plan: Plan, facts: ModelFacts, steps: int, batch: A
 
     run_cfg = plan.apply(cfg, facts)
     torch.manual_seed(0)
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1  # under torchrun no strategy means DDP, as the runner
-    strategy = build_strategy(run_cfg.get("strategy") or ("ddp" if launched else None))
+    strategy = build_strategy(run_cfg.get("strategy") or None, int(os.environ.get("WORLD_SIZE", "1")))  # as the runner
     env = run_cfg.get("env_cfg") or {}
     strategy.setup_env(dist.resolve_launcher(None), {"cudnn_benchmark": bool(env.get("cudnn_benchmark"))})
     model = MODELS.build(run_cfg["model"], key="model")

@@ -207,10 +207,6 @@ class _Phases:
 DDP_BUCKET = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb
 
 
-def _ddp_bucket_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-
-
 def build_meta_model(model_cfg: Any) -> nn.Module:
     """The config's model on the meta device (no memory, no initialisation)."""
     from memfit.registry import MODELS
@@ -284,23 +280,16 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
     from memfit.planner.cuda_autocast import cuda_autocast_on_cpu
     from memfit.planner.timeline import Recorder
     from memfit.precision import precision_options
-    from memfit.strategies import DDPStrategy, build_strategy
+    from memfit.strategies import build_strategy
 
     start = time.perf_counter()
     world = tdist.get_world_size() if tdist.is_initialized() else 1
-    strategy_cfg = cfg.get("strategy")
-    if strategy_cfg is None and world > 1:
-        strategy_cfg = dict(type="DDPStrategy")
-    kind = strategy_cfg.get("type") if isinstance(strategy_cfg, dict) else strategy_cfg
-    if kind in ("DeepSpeedStrategy", "ColossalAIStrategy", "deepspeed", "colossalai"):
+    strategy = build_strategy(copy.deepcopy(cfg.get("strategy")), world)
+    if not strategy.capabilities.fake_step:
+        kind = type(strategy).__name__
         raise ConfigError(f"strategy={kind!r}: the planner runs FSDP2 and ZeRO-1 (DDP) steps on fake tensors, not "
                           f"{kind}'s engine; plan without --as-is to see its ZeRO stages as FSDP plans")
-    strategy = build_strategy(copy.deepcopy(strategy_cfg))
-    if isinstance(strategy, DDPStrategy):
-        # DDP's reducer is C++ that reads tensor data, which fake tensors have none of: the model runs
-        # unwrapped (ZeRO-1's sharded optimizer is still the real one) and the reducer's buckets, one
-        # copy of the gradients (gradient_as_bucket_view=False), are added as communication memory.
-        strategy.wrap = lambda model: model
+    strategy.prepare_fake_step()  # e.g. DDP runs unwrapped; its buckets are added as communication memory
     strategy.setup_env("none")
     strategy.device = torch.device("cpu")  # fake CPU tensors: fake CUDA cannot run backward without a GPU
     strategy.precision.to_device(strategy.device)
@@ -319,7 +308,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
         precision = precision_options(cfg.get("precision"))
         model, wrapper = setup(model, strategy, optim_cfg, techniques, precision=precision,
                                optimizer_offload=bool(techniques.get("optimizer_offload")))
-        buckets = _ddp_bucket_bytes(model) if isinstance(strategy, DDPStrategy) else 0
+        buckets = strategy.communication_bytes(model)
         micro_steps = steps * counts if full else 1
         # A forward/backward run is the first micro-step of a window of two that does not end here (a
         # window cut short by the end of training would step the optimizer).
@@ -386,7 +375,8 @@ def _data_dependent_is_config_error(cfg: dict) -> Iterator[None]:
     try:
         yield
     except (DataDependentOutputException, DynamicOutputShapeException) as exc:
-        skip = (f"{os.sep}torch{os.sep}", f"memfit{os.sep}memory{os.sep}", f"memfit{os.sep}planner{os.sep}")
+        skip = (f"{os.sep}torch{os.sep}", f"memfit{os.sep}memory{os.sep}", f"memfit{os.sep}measure{os.sep}",
+                f"memfit{os.sep}planner{os.sep}")
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if not any(s in f.filename for s in skip)]
         where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
         model = cfg["model"].get("type", "the model") if isinstance(cfg.get("model"), dict) else "the model"

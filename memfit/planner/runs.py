@@ -25,6 +25,7 @@ from memfit.planner.inputs import Inputs
 from memfit.planner.levers import fake_step_cfg
 from memfit.planner.pool import Job, Pool
 from memfit.planner.space import ModelFacts, Plan, technique_cfg
+from memfit.strategies import capabilities_of, fake_step_config
 
 _WORKER: dict[str, Any] = {}  # the forked worker's meta model and batches (memfit.planner.inputs.Inputs)
 
@@ -99,17 +100,23 @@ def _canonical(cfg: dict, full: bool, steps: int, record: tuple[str, ...] | None
         if not full and isinstance(ow.get("optimizer"), dict):
             opt = ow["optimizer"]
             c["optim_wrapper"]["optimizer"] = {k: v for k, v in opt.items() if k not in ("foreach", "fused")}
-    strategy = c["strategy"] = c.get("strategy")  # no strategy key is None: the runner's default either way
-    if _fsdp(c):
-        # On CPU (fake) tensors FSDP's CPU offload moves nothing: the step holds what the same step without it
-        # holds (measured equal, phase by phase); what leaves a CUDA device is taken out by the predictor.
-        c["strategy"] = {"reshard_after_forward": True, **strategy, "cpu_offload": False}
+    c["strategy"] = fake_step_config(c.get("strategy"))  # no strategy key is None: the runner's default either way
     return json.dumps([c, full, steps if full else 1, record], sort_keys=True, default=repr)
 
 
 def _fsdp(cfg: dict) -> bool:
+    """The step shards gradients at least (FSDP2: DTensors, a wrapping pass)."""
     strategy = cfg.get("strategy")
-    return isinstance(strategy, dict) and strategy.get("type") == "FSDPStrategy"
+    return strategy is not None and _sharding(json.dumps(strategy, sort_keys=True, default=repr), strategy)
+
+
+_SHARDING: dict[str, bool] = {}
+
+
+def _sharding(key: str, strategy: Any) -> bool:
+    if key not in _SHARDING:
+        _SHARDING[key] = capabilities_of(strategy).sharding in ("zero2", "fsdp")
+    return _SHARDING[key]
 
 
 def _cost(cfg: dict, full: bool, steps: int, record: tuple[str, ...] | None = None) -> float:

@@ -16,10 +16,12 @@ import copy
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from memfit.errors import ConfigError
 from memfit.model.blocks import find_blocks as _blocks
+from memfit.strategies import capabilities_of, sharding_config
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SHARDINGS = ("none", "zero1", "zero2", "fsdp")
@@ -173,7 +175,7 @@ class Plan:
                 techniques[key] = True
         cfg["cfg"] = techniques
         self._apply_levers(cfg)
-        cfg["strategy"] = _strategy(self, cfg.get("strategy"))
+        cfg["strategy"] = sharding_config(self.sharding, self.offload == "params", cfg.get("strategy"))
         ow = dict(cfg.get("optim_wrapper") or {})
         for key in ("dtype", "loss_scale"):
             ow.pop(key, None)
@@ -213,19 +215,6 @@ def _precision_keys(precision: str) -> dict[str, str]:
     return {"type": "AmpOptimWrapper", "dtype": "bfloat16" if precision == "bf16" else "float16"}
 
 
-def _strategy(plan: Plan, current: Any) -> Any:
-    """The strategy config of a plan's sharding; the config's own FSDP options are kept."""
-    own = dict(current) if isinstance(current, dict) and current.get("type") == "FSDPStrategy" else {}
-    own.pop("reshard_after_forward", None)
-    own.pop("cpu_offload", None)
-    if plan.sharding in ("zero2", "fsdp") or plan.offload == "params":
-        return {**own, "type": "FSDPStrategy", "reshard_after_forward": plan.sharding != "zero2",
-                "cpu_offload": plan.offload == "params"}
-    if plan.sharding == "zero1":
-        return dict(type="DDPStrategy", zero=True)
-    return None  # the runner's default: one device, or DDP when launched as several processes
-
-
 def technique_cfg(cfg: dict) -> dict:
     """The memory-technique switches of a config, merged as ``Runner.from_cfg`` merges them
     (``cfg=dict(...)`` and the top-level keys)."""
@@ -239,26 +228,12 @@ def configured_plan(cfg: dict, facts: ModelFacts, cuda: bool = True) -> Plan:
     """The plan a config describes, marked ``configured`` (its own settings are kept when applied).
     An ``AmpOptimWrapper`` without a dtype is what the target resolves it to: fp16 on CUDA; on a CPU,
     bf16 where it is native, else fp32 (memfit.precision.default_amp_dtype)."""
-    from memfit.precision.base import cpu_has_native_bf16
-
     ow = cfg.get("optim_wrapper") or {}
-    precision = "fp32"
-    if isinstance(ow, dict) and str(ow.get("type", "")).endswith("AmpOptimWrapper"):
-        dtype = str(ow.get("dtype") or "")
-        if "bfloat16" in dtype or (not dtype and not cuda and cpu_has_native_bf16()):
-            precision = "bf16"
-        elif "float16" in dtype or (not dtype and cuda):
-            precision = "fp16"
+    precision = _precision_word(ow, cfg.get("strategy"), "cuda" if cuda else "cpu", cfg.get("precision"))
     techniques = {**technique_cfg(cfg), **{k: cfg[k] for k in ("channels_last", "tf32") if k in cfg}}
     ac = techniques.get("activation_checkpointing")
-    strategy = cfg.get("strategy")
-    kind = strategy.get("type") if isinstance(strategy, dict) else strategy
-    sharding, offload = "none", "none"
-    if kind in ("FSDPStrategy", "fsdp"):
-        sharding = "zero2" if isinstance(strategy, dict) and strategy.get("reshard_after_forward") is False else "fsdp"
-        offload = "params" if isinstance(strategy, dict) and strategy.get("cpu_offload") else "none"
-    elif isinstance(strategy, dict) and strategy.get("zero"):
-        sharding = "zero1"
+    caps = capabilities_of(cfg.get("strategy"))
+    sharding, offload = caps.sharding, "params" if caps.offloads_parameters else "none"
     if techniques.get("optimizer_offload"):
         offload = "optimizer"
     opt = ow.get("optimizer") if isinstance(ow, dict) else None
@@ -270,6 +245,27 @@ def configured_plan(cfg: dict, facts: ModelFacts, cuda: bool = True) -> Plan:
                 compile=bool(cfg.get("compile")), channels_last=bool(techniques.get("channels_last")),
                 fused_optimizer=isinstance(opt, dict) and bool(opt.get("fused")), tf32=techniques.get("tf32") is True,
                 cudnn_benchmark=bool(env.get("cudnn_benchmark")), configured=True)
+
+
+def _precision_word(optim_wrapper: Any, strategy: Any, device_type: str, precision_cfg: Any) -> str:
+    """'fp32', 'bf16' or 'fp16': the compute dtype the run resolves to on the target
+    (:func:`memfit.precision.resolve_precision`, asked quietly: no GradScaler warning off a GPU, no log line)."""
+    import logging
+    import warnings
+
+    from memfit.precision import precision_options, resolve_precision
+    from memfit.strategies import build_strategy
+
+    log = logging.getLogger("memfit")
+    level, log.disabled = log.disabled, True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dtype = resolve_precision(optim_wrapper, build_strategy(copy.deepcopy(strategy)), device_type,
+                                      precision_options(precision_cfg)).dtype
+    finally:
+        log.disabled = level
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
 
 
 def _ac_name(spec: Any, facts: ModelFacts) -> str:

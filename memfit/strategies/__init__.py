@@ -7,6 +7,7 @@ from typing import Any
 from memfit.errors import ConfigError
 from memfit.registry import STRATEGIES
 from memfit.strategies.base import Strategy
+from memfit.strategies.capabilities import Capabilities
 from memfit.strategies.colossalai import ColossalAIStrategy
 from memfit.strategies.ddp import DDPStrategy
 from memfit.strategies.deepspeed import DeepSpeedStrategy
@@ -69,10 +70,11 @@ def strategy_from_model_wrapper(cfg: Any) -> Strategy:
     return DDPStrategy(**args)
 
 
-def build_strategy(cfg: Any) -> Strategy:
-    """A Strategy from an object, a dict with ``type`` or a short name such as 'ddp'."""
+def build_strategy(cfg: Any, world_size: int = 1) -> Strategy:
+    """A Strategy from an object, a dict with ``type`` or a short name such as 'ddp'. None: one device, or
+    data parallel (DDP) when ``world_size`` processes were launched, as MMEngine does."""
     if cfg is None:
-        return SingleDeviceStrategy()
+        return DDPStrategy() if world_size > 1 else SingleDeviceStrategy()
     if isinstance(cfg, Strategy):
         return cfg
     if isinstance(cfg, str):
@@ -87,5 +89,37 @@ def build_strategy(cfg: Any) -> Strategy:
     return STRATEGIES.build(cfg, key="strategy")
 
 
-__all__ = ["ColossalAIStrategy", "DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy", "SHORT_NAMES",
-           "SingleDeviceStrategy", "Strategy", "build_strategy", "strategy_from_model_wrapper"]
+def capabilities_of(cfg: Any, world_size: int = 1) -> Capabilities:
+    """What the strategy a config names does (built, never set up: no process group, no device)."""
+    import copy
+
+    return build_strategy(copy.deepcopy(cfg), world_size).capabilities
+
+
+def sharding_config(sharding: str, offload_parameters: bool, current: Any = None) -> Any:
+    """The strategy config that runs the planner's ``sharding`` ('none', 'zero1', 'zero2', 'fsdp';
+    :attr:`Capabilities.sharding`), with the parameters on the host if ``offload_parameters``; the ``current``
+    config's own FSDP options (units, mixed precision, ...) are kept. None: the runner's default (one device,
+    or DDP when launched as several processes)."""
+    if sharding in ("zero2", "fsdp") or offload_parameters:
+        own = dict(current) if isinstance(current, dict) and current.get("type") == "FSDPStrategy" else {}
+        own.pop("reshard_after_forward", None)
+        own.pop("cpu_offload", None)
+        return {**own, "type": "FSDPStrategy", "reshard_after_forward": sharding != "zero2",
+                "cpu_offload": offload_parameters}
+    if sharding == "zero1":
+        return dict(type="DDPStrategy", zero=True)
+    return None
+
+
+def fake_step_config(cfg: Any) -> Any:
+    """The strategy config whose fake step is ``cfg``'s, written one way (:meth:`Strategy.fake_step_options`)."""
+    kind = cfg.get("type") if isinstance(cfg, dict) else None
+    if not isinstance(kind, str) or kind not in STRATEGIES:
+        return cfg
+    return STRATEGIES.get(kind).fake_step_options(cfg)
+
+
+__all__ = ["Capabilities", "ColossalAIStrategy", "DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy", "SHORT_NAMES",
+           "SingleDeviceStrategy", "Strategy", "build_strategy", "capabilities_of", "fake_step_config",
+           "sharding_config", "strategy_from_model_wrapper"]

@@ -20,14 +20,15 @@ from memfit import dist
 from memfit.checkpoint import load_checkpoint as load_state_file
 from memfit.checkpoint import save_checkpoint as save_state_file
 from memfit.precision import Precision
+from memfit.strategies.capabilities import Capabilities
 
 
 class Strategy:
     """Base strategy: one process, one device. Subclasses override what their backend changes."""
 
-    # The backend flattens or shards parameters and needs them contiguous (FSDP2 refuses channels_last
-    # weights): channels_last then converts the batch only (memfit.speed.channels_last).
-    contiguous_parameters = False
+    # What this backend does (memfit.strategies.capabilities): the connector, the planner and the hooks ask
+    # this, never the class's name. A property in backends whose options change it.
+    capabilities: Capabilities = Capabilities()
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
@@ -85,6 +86,10 @@ class Strategy:
             raise ConfigError(f"precision=dict(opt_level={precision.opt_level!r}) keeps fp32 master weights in memfit "
                               f"(SingleDeviceStrategy, DDPStrategy); {type(self).__name__} keeps its own: use {own}")
 
+    def use_optim_wrapper(self, name: str) -> None:
+        """The config's optimizer wrapper is ``name``, one of ``capabilities.optim_wrappers`` (MMEngine's
+        backend wrapper names): switch on what it stands for."""
+
     def set_precision(self, precision: Precision) -> None:
         self.check_precision(precision)
         self.precision = precision
@@ -113,6 +118,21 @@ class Strategy:
         None when only evaluating). A backend may replace ``optim_wrapper.optimizer`` (ZeRO-1) or build
         its engine around it; ``optim_wrapper.optimizer`` stays the object whose ``param_groups`` the
         LR schedulers change."""
+
+    # -- the planner's fake step -------------------------------------------------------------
+    @classmethod
+    def fake_step_options(cls, cfg: dict) -> dict:
+        """``cfg`` (this strategy's config dict) written the one way that runs the same fake step: options that
+        change nothing on fake CPU tensors dropped or set to their default, so the planner runs it once."""
+        return cfg
+
+    def prepare_fake_step(self) -> None:
+        """Adapt this strategy to run the planner's step on fake tensors (``capabilities.fake_step``)."""
+
+    def communication_bytes(self, model: nn.Module) -> int:
+        """Memory the backend's communication buffers hold beyond the model's own tensors, for the planner
+        where its fake step cannot allocate them."""
+        return 0
 
     # -- the step ----------------------------------------------------------------------------
     def autocast(self) -> Any:

@@ -31,6 +31,7 @@ from memfit.errors import ConfigError
 from memfit.precision import AutocastPrecision, HalfPrecision, Precision, parse_dtype
 from memfit.registry import OPTIMIZERS, STRATEGIES
 from memfit.strategies.base import Strategy
+from memfit.strategies.capabilities import Capabilities, shards_up_to
 from memfit.strategies.route import route_forward
 
 logger = logging.getLogger("memfit")
@@ -68,8 +69,6 @@ class ColossalAIStrategy(Strategy):
     for the plugin's own options. ``mixed_precision``: 'fp16'/'bf16' (the sharded plugins' ``precision``;
     torch autocast through an AmpOptimWrapper for the DDP plugin) or None for fp32."""
 
-    contiguous_parameters = True  # Gemini and LowLevelZero keep parameters in flat chunks
-
     def __init__(self, plugin: str | dict = "gemini", mixed_precision: str | None = None,
                  config: Any = None, model_wrapper: dict | None = None) -> None:
         super().__init__()
@@ -96,6 +95,17 @@ class ColossalAIStrategy(Strategy):
     @property
     def sharded(self) -> bool:
         return self.plugin_name in _SHARDED
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Gemini shards everything (ZeRO-3), LowLevelZero its ``stage`` (1 or 2), the DDP plugin nothing; the
+        booster owns the optimizer and the forward; Gemini and LowLevelZero keep parameters in flat chunks."""
+        stage = {"GeminiPlugin": 3, "LowLevelZeroPlugin": int(self.plugin_kwargs.get("stage", 1))}
+        return Capabilities(shards=shards_up_to(stage.get(self.plugin_name, 0)), data_parallel=True,
+                            own_optimizer=True, own_offload="its GeminiPlugin's placement_policy / offload_optim_frac",
+                            contiguous_parameters=True, fake_step=False,
+                            optim_wrappers=frozenset({"ColossalAIOptimWrapper"}),
+                            config_hint="strategy=dict(type='ColossalAIStrategy', ...)")
 
     # -- environment -------------------------------------------------------------------------
     def setup_env(self, launcher: str = "none", env_cfg: dict | None = None) -> None:

@@ -29,6 +29,7 @@ from memfit import dist
 from memfit.errors import ConfigError
 from memfit.registry import STRATEGIES, check_kwargs
 from memfit.strategies.base import Strategy
+from memfit.strategies.capabilities import Capabilities, shards_up_to
 from memfit.strategies.ddp_separate import separate_no_sync, wrap_separately
 from memfit.strategies.route import route_forward
 
@@ -83,6 +84,25 @@ class DDPStrategy(Strategy):
         self.separate = separate
         self.ddp: DistributedDataParallel | None = None
         self.separate_ddps: dict[str, DistributedDataParallel] = {}
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Data parallel; ZeRO-1 shards the optimizer state and replaces the optimizer."""
+        return Capabilities(shards=shards_up_to(1 if self.zero else 0), data_parallel=True, own_optimizer=self.zero,
+                            optim_wrappers=frozenset({"ZeroOptimWrapper"}), config_hint="strategy='ddp' (DDPStrategy)")
+
+    def use_optim_wrapper(self, name: str) -> None:
+        """``ZeroOptimWrapper`` (or MMEngine's ``ZeroRedundancyOptimizer`` optimizer type) switches ZeRO-1 on."""
+        self.zero = True
+
+    def prepare_fake_step(self) -> None:
+        """DDP's reducer is C++ that reads tensor data, which fake tensors have none of: the model runs
+        unwrapped (ZeRO-1's sharded optimizer is still the real one)."""
+        self.wrap = lambda model: model  # type: ignore[method-assign]
+
+    def communication_bytes(self, model: nn.Module) -> int:
+        """DDP's buckets: one copy of the trainable parameters' gradients (gradient_as_bucket_view=False)."""
+        return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
     def setup_env(self, launcher: str = "none", env_cfg: dict | None = None) -> None:
         """As the base, and a one-process group when not launched, so the same config runs anywhere."""

@@ -56,14 +56,12 @@ def separate_no_sync(ddps: dict[str, DistributedDataParallel], module: nn.Module
 def check_several_optimizers(strategy: Any, world_size: int) -> None:
     """Several optimizers (an ``OptimWrapperDict``) run in one process, or under DDPStrategy with one DDP
     per submodule (switched on here unless ``separate=False`` was asked for); anything else is refused."""
-    from memfit.strategies.single import SingleDeviceStrategy
-
     name = type(strategy).__name__
     ddp = hasattr(strategy, "separate")  # DDPStrategy's option (its module imports this one: no import back)
     if ddp and not strategy.zero and strategy.separate is not False:
         strategy.separate = True
         return
-    if type(strategy) is SingleDeviceStrategy and world_size == 1:
+    if strategy.capabilities.one_device and world_size == 1:
         return
     if ddp:
         cause = "zero=True (ZeroRedundancyOptimizer takes one optimizer)" if strategy.zero else "separate=False"

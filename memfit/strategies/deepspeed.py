@@ -38,6 +38,7 @@ from memfit.errors import CheckpointError, ConfigError, warn_ignored
 from memfit.precision import APEX_OPT_LEVELS, AutocastPrecision, HalfPrecision, Precision, dtype_name, parse_dtype
 from memfit.registry import STRATEGIES
 from memfit.strategies.base import Strategy
+from memfit.strategies.capabilities import Capabilities, shards_up_to
 from memfit.strategies.deepspeed_config import check_deepspeed_config, deepspeed_config_error
 from memfit.strategies.deepspeed_half import cast_inputs, keep_batchnorm_fp32
 from memfit.strategies.route import route_forward
@@ -76,8 +77,6 @@ class DeepSpeedStrategy(Strategy):
     frozen weights out of checkpoints.
     """
 
-    contiguous_parameters = True  # ZeRO flattens the parameters into contiguous buffers
-
     def __init__(self, *, config: str | dict | None = None, zero_optimization: dict | None = None,
                  gradient_clipping: float | None = None, fp16: dict | None = None, bf16: dict | None = None,
                  amp: dict | None = None, torch_autocast: dict | None = None, inputs_to_half: list | None = None,
@@ -109,6 +108,21 @@ class DeepSpeedStrategy(Strategy):
         self.bn_fp32 = bn_fp32
         self.micro_batch_size: int | None = None
         self.engine: Any = None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """ZeRO's stage says what is sharded; the engine owns the optimizer, its offload and the forward, and
+        flattens the parameters into contiguous buffers. Its engine does not run on fake tensors."""
+        zero = self.ds_config.get("zero_optimization")
+        zero = zero if isinstance(zero, Mapping) else {}
+        param_offload = zero.get("offload_param")
+        offloads = isinstance(param_offload, Mapping) and param_offload.get("device", "none") != "none"
+        return Capabilities(shards=shards_up_to(int(zero.get("stage", 0) or 0)), data_parallel=True,
+                            offloads_parameters=offloads, own_optimizer=True,
+                            own_offload="zero_optimization=dict(offload_optimizer=dict(device='cpu'))",
+                            contiguous_parameters=True, fake_step=False,
+                            optim_wrappers=frozenset({"DeepSpeedOptimWrapper"}),
+                            config_hint="strategy=dict(type='DeepSpeedStrategy', ...)")
 
     # -- environment -------------------------------------------------------------------------
     def setup_env(self, launcher: str = "none", env_cfg: dict | None = None) -> None:

@@ -40,6 +40,7 @@ from memfit.errors import ConfigError, did_you_mean
 from memfit.precision import HalfPrecision, Precision, parse_dtype
 from memfit.registry import STRATEGIES
 from memfit.strategies.base import Strategy
+from memfit.strategies.capabilities import Capabilities, shards_up_to
 from memfit.strategies.fsdp_compat import state_dict_type_from, warn_device_id, warn_fsdp1_only
 from memfit.strategies.fsdp_units import select_units
 
@@ -70,8 +71,6 @@ class FSDPStrategy(Strategy):
     ``last_checkpoint`` moved to it, only once every rank's write completed: before the next save
     starts, and at the end of training (:meth:`finalize_checkpoints`).
     """
-
-    contiguous_parameters = True  # fully_shard: "FSDP does not support non-contiguous parameters"
 
     def __init__(
         self,
@@ -122,6 +121,19 @@ class FSDPStrategy(Strategy):
         self._pending: PendingSave | None = None  # the async save not yet finalized
         self.activation_checkpointing = activation_checkpointing
         self.units: list[str] = []  # names of the modules sharded as units (root last, as '')
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """ZeRO-3 (ZeRO-2 with ``reshard_after_forward=False``); fully_shard needs contiguous parameters."""
+        return Capabilities(shards=shards_up_to(3 if self.reshard_after_forward else 2), data_parallel=True,
+                            offloads_parameters=bool(self.cpu_offload), contiguous_parameters=True,
+                            config_hint="strategy='fsdp' (FSDPStrategy)")
+
+    @classmethod
+    def fake_step_options(cls, cfg: dict) -> dict:
+        """On CPU (fake) tensors the CPU offload moves nothing: the step holds what the same step without it holds
+        (measured equal, phase by phase); what leaves a CUDA device is taken out by the predictor."""
+        return {"reshard_after_forward": True, **cfg, "cpu_offload": False}
 
     # -- environment -------------------------------------------------------------------------
     def setup_env(self, launcher: str = "none", env_cfg: dict | None = None) -> None:

@@ -141,12 +141,13 @@ def test_combinations_that_cannot_work_are_one_line_errors(strategy, kw, match):
 def test_a_backend_with_its_own_offload_is_pointed_to_it():
     from memfit.connector import _check_offload
     from memfit.precision import Precision
+    from memfit.strategies import Capabilities
 
-    class DeepSpeedStrategy(SingleDeviceStrategy):  # the name is what the check reads
-        pass
+    class OwnOffload(SingleDeviceStrategy):  # what it declares is what the check reads, not its name
+        capabilities = Capabilities(own_offload="zero_optimization=dict(offload_optimizer=dict(device='cpu'))")
 
-    with pytest.raises(ConfigError, match="offload_optimizer=dict"):
-        _check_offload(DeepSpeedStrategy(), Precision(), False)
+    with pytest.raises(ConfigError, match="OwnOffload offloads its own optimizer: use zero_optimization=dict"):
+        _check_offload(OwnOffload(), Precision(), False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: pinned host copies and device memory")
