@@ -27,6 +27,7 @@ twins of the plans are listed only when asked for (``compile``), each with its e
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -155,10 +156,22 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
         index = {old: new for new, old in enumerate(order)}
         notes = [f"{len(ps)} plan(s) left out, their fake step fails ({', '.join(p.name for p in ps[:3])}"
                  f"{', ...' if len(ps) > 3 else ''}): {why}" for why, ps in failed.items()]
+        notes += _stand_in_note(cfg, world_size, configured)
         return Prediction(device, world_size, budget, [results[i] for i in order],
                           index.get(recommended) if recommended is not None else None, time.perf_counter() - start,
                           notes=notes, fake_steps=len(runs.cache), input=inputs.planned(configured.micro_batch),
                           levers=levers)
+
+
+def _stand_in_note(cfg: dict, world_size: int, configured: Plan) -> list[str]:
+    """A line when the configured strategy's own engine cannot run on fake tensors (DeepSpeed, colossalai)."""
+    from memfit.strategies import build_strategy
+
+    strategy = build_strategy(copy.deepcopy(cfg.get("strategy")), world_size)
+    if strategy.capabilities.fake_step:
+        return []
+    return [f"the configured {type(strategy).__name__} runs its own engine, which fake tensors cannot: its row is "
+            f"the FSDP2/ZeRO-1 step of the same sharding ({configured.sharding}), an estimate of the engine's memory"]
 
 
 def _half(plan: Plan) -> str:

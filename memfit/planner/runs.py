@@ -25,7 +25,7 @@ from memfit.planner.inputs import Inputs
 from memfit.planner.levers import fake_step_cfg
 from memfit.planner.pool import Job, Pool
 from memfit.planner.space import ModelFacts, Plan, technique_cfg
-from memfit.strategies import capabilities_of, fake_step_config
+from memfit.strategies import capabilities_of, fake_step_config, fake_step_strategy
 
 _WORKER: dict[str, Any] = {}  # the forked worker's meta model and batches (memfit.planner.inputs.Inputs)
 
@@ -160,8 +160,8 @@ class Runs:
 
     def _cfg(self, plan: Plan, single: bool) -> dict:
         cfg = fake_step_cfg(plan.apply(self.cfg, self.facts))
-        if single:
-            cfg["strategy"] = dict(type="SingleDeviceStrategy")
+        cfg["strategy"] = dict(type="SingleDeviceStrategy") if single else fake_step_strategy(cfg.get("strategy"),
+                                                                                               self.world)
         return cfg
 
     def run(self, key: Any, plan: Plan, full: bool, single: bool = False, steps: int = 2,

@@ -112,6 +112,14 @@ def sharding_config(sharding: str, offload_parameters: bool, current: Any = None
     return None
 
 
+def fake_step_strategy(cfg: Any, world_size: int = 1) -> Any:
+    """The strategy config the planner's fake step runs for ``cfg``: ``cfg`` itself where the strategy runs on
+    fake tensors, else the FSDP2 / ZeRO-1 config of the sharding it declares (DeepSpeed's and colossalai's
+    engines do not run there)."""
+    caps = capabilities_of(cfg, world_size)
+    return cfg if caps.fake_step else sharding_config(caps.sharding, caps.offloads_parameters)
+
+
 def fake_step_config(cfg: Any) -> Any:
     """The strategy config whose fake step is ``cfg``'s, written one way (:meth:`Strategy.fake_step_options`)."""
     kind = cfg.get("type") if isinstance(cfg, dict) else None
@@ -122,4 +130,4 @@ def fake_step_config(cfg: Any) -> Any:
 
 __all__ = ["Capabilities", "ColossalAIStrategy", "DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy", "SHORT_NAMES",
            "SingleDeviceStrategy", "Strategy", "build_strategy", "capabilities_of", "fake_step_config",
-           "sharding_config", "strategy_from_model_wrapper"]
+           "fake_step_strategy", "sharding_config", "strategy_from_model_wrapper"]
