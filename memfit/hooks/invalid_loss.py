@@ -59,6 +59,7 @@ class CheckInvalidLossHook(Hook):
             raise ConfigError(f"check_invalid_loss: action='skip' runs in one process on one device, not {strategy} "
                               f"at world size {runner.world_size}: use action='stop'")
         wrapper.skip_nonfinite = True
+        self._reported = getattr(wrapper, "nonfinite_losses", 0)  # a resumed run's count: already reported
 
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None) -> None:
         due = self.every_n_train_iters(runner, self.interval) or self.is_last_train_iter(runner)

@@ -238,8 +238,11 @@ class OptimWrapper:
 
     def checkpoint_state(self, with_optimizer: bool = True) -> dict:
         """What a checkpoint keeps: the optimizer (unless a backend writes its shards itself,
-        ``with_optimizer=False``), the accumulation position and the precision's state."""
+        ``with_optimizer=False``), the accumulation position, the precision's state and, where
+        ``check_invalid_loss`` skips, the non-finite losses counted and whether the open window skips its step."""
         state = {"inner_count": self.inner_count, **self.precision.state_dict()}
+        if self.nonfinite_losses or self._window_nonfinite:
+            state["nonfinite"] = {"losses": self.nonfinite_losses, "window": self._window_nonfinite}
         if self.base_param_settings is not None:
             state["base_param_settings"] = _plain_group(self.base_param_settings)
         if with_optimizer:
@@ -250,6 +253,9 @@ class OptimWrapper:
         if "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
         self.inner_count = state.get("inner_count", self.inner_count)
+        nonfinite = state.get("nonfinite") or {}
+        self.nonfinite_losses = int(nonfinite.get("losses", 0))
+        self._window_nonfinite = bool(nonfinite.get("window", False))
         self._load_extras(state.get("base_param_settings"), None)
         self.precision.load_state_dict(state)
 

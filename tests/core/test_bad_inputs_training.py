@@ -129,6 +129,28 @@ def test_non_finite_loss_skip_counts_and_trains_on(caplog):
     assert all(not torch.equal(a, b) for a, b in zip(w[3], w[2]))
 
 
+def test_the_skip_count_survives_a_resume(tmp_path, caplog):
+    """A checkpoint keeps the non-finite losses counted (and whether the open window skips its step): the
+    resumed run counts on from it and does not report the first run's skip again."""
+    skip = hooks(check_invalid_loss=dict(action="skip", interval=1), checkpoint=dict(type="CheckpointHook",
+                                                                                     interval=1))
+    Runner.from_cfg(config(model=dict(type=Tiny, bad_at=1), default_hooks=skip)).train()
+    caplog.clear()
+    runner = Runner.from_cfg(config(model=dict(type=Tiny, bad_at=2), default_hooks=skip, resume=True,
+                                    train_cfg=dict(by_epoch=True, max_epochs=2)))
+    runner.train()
+    assert runner.optim_wrapper.nonfinite_losses == 2
+    warnings = [r.getMessage() for r in caplog.records if "non-finite loss by" in r.getMessage()]
+    assert warnings == ["non-finite loss by iteration 4: the optimizer step of its window was skipped "
+                        "(2 non-finite losses so far)"]
+    open_window = runner.optim_wrapper.checkpoint_state(with_optimizer=False)
+    assert open_window["nonfinite"] == {"losses": 2, "window": False}
+    runner.optim_wrapper._window_nonfinite = True
+    state = runner.optim_wrapper.checkpoint_state(with_optimizer=False)
+    runner.optim_wrapper.load_checkpoint_state({**state, "nonfinite": {"losses": 5, "window": True}})
+    assert (runner.optim_wrapper.nonfinite_losses, runner.optim_wrapper._window_nonfinite) == (5, True)
+
+
 class FailAt(Hook):
     def __init__(self, iteration: int) -> None:
         self.iteration = iteration
