@@ -94,6 +94,7 @@ def select_precision(optim_wrapper: Any, strategy: Strategy, precision_cfg: dict
 
 def _check_in_backward(strategy: Strategy, optim_wrapper: Any, precision: Precision) -> None:
     from memfit.optim.in_backward import check_in_backward_compatible
+    from memfit.optim.spec import OptimWrapperSpec
 
     if isinstance(precision, MasterWeightsPrecision):
         raise ConfigError(f"cfg.optimizer_in_backward and precision opt_level={precision.opt_level!r}: the master "
@@ -102,9 +103,9 @@ def _check_in_backward(strategy: Strategy, optim_wrapper: Any, precision: Precis
         raise ConfigError(f"cfg.optimizer_in_backward runs in one process on one device only "
                           f"({type(strategy).__name__}, world size {dist.get_world_size()}): gradients would be "
                           "stepped before they are reduced across ranks or by the backend's optimizer; remove it")
-    counts = optim_wrapper.get("accumulative_counts", 1) if isinstance(optim_wrapper, dict) else 1
-    clip = optim_wrapper.get("clip_grad") if isinstance(optim_wrapper, dict) else None
-    check_in_backward_compatible(counts, clip, grad_scaler=getattr(precision, "scaler", None))
+    spec = OptimWrapperSpec.of(optim_wrapper)
+    check_in_backward_compatible(spec.accumulative_counts, spec.clip_grad,
+                                 grad_scaler=getattr(precision, "scaler", None))
 
 
 def _check_offload(strategy: Strategy, precision: Precision, in_backward: bool) -> None:

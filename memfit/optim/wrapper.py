@@ -18,7 +18,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from memfit.errors import ConfigError, ConfigTypeError, type_or_value_error, warn_ignored
+from memfit.errors import warn_ignored
+from memfit.optim.spec import check_accumulative_counts, check_clip_grad
 from memfit.precision import Precision, parse_dtype, resolve_precision
 from memfit.precision.scaler import check_loss_scale
 from memfit.registry import OPTIM_WRAPPERS
@@ -42,20 +43,9 @@ class OptimWrapper:
     _window_nonfinite = False
 
     def __init__(self, optimizer: Optimizer, accumulative_counts: int = 1, clip_grad: dict | None = None) -> None:
-        if not isinstance(accumulative_counts, int) or accumulative_counts < 1:
-            raise type_or_value_error(f"optim_wrapper.accumulative_counts={accumulative_counts!r}: use an int >= 1",
-                                      not isinstance(accumulative_counts, int))
-        if clip_grad is not None and not isinstance(clip_grad, dict):
-            raise ConfigTypeError(f"optim_wrapper.clip_grad={clip_grad!r}: use dict(max_norm=..., norm_type=2)")
-        if clip_grad is not None:
-            unknown = set(clip_grad) - {"max_norm", "norm_type", "error_if_nonfinite", "foreach", "type"}
-            if unknown or "max_norm" not in clip_grad:
-                raise ConfigError(f"optim_wrapper.clip_grad={clip_grad!r}: use dict(max_norm=..., norm_type=2)")
-            if clip_grad.get("type", "norm") != "norm":
-                raise ConfigError("optim_wrapper.clip_grad.type: only 'norm' clipping is supported")
         self.optimizer = optimizer
-        self.accumulative_counts = accumulative_counts
-        self.clip_grad = {k: v for k, v in (clip_grad or {}).items() if k != "type"} or None
+        self.accumulative_counts = check_accumulative_counts(accumulative_counts)
+        self.clip_grad = check_clip_grad(clip_grad)
         self._strategy: Any = None
         # MMEngine's pseudo group: with several param groups the schedulers also schedule the
         # optimizer's defaults, which get_lr() reports as ``base_lr``.

@@ -38,6 +38,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from memfit.errors import ConfigError
 from memfit.measure import CachingAllocatorModel, MemoryTracker, optimizer_state_tensors, storages
+from memfit.optim.spec import OptimWrapperSpec
 from memfit.planner.devices import CUBLAS_BLOCKS
 from memfit.planner.space import technique_cfg
 
@@ -301,7 +302,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
     techniques = technique_cfg(cfg)
     optim_cfg = measured_optim_wrapper(copy.deepcopy(cfg["optim_wrapper"]), full)
     optim_cfg = scale_lr_cfg(optim_cfg, cfg.get("auto_scale_lr"), lambda: cfg["train_dataloader"]["batch_size"] * world)
-    counts = optim_cfg.get("accumulative_counts", 1) if isinstance(optim_cfg, dict) else 1
+    counts = OptimWrapperSpec.of(optim_cfg).accumulative_counts
     with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
         model = _materialise(model, fake_mode)
         model.train()

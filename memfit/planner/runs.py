@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from memfit.errors import ConfigError, first_line
+from memfit.optim.spec import OptimWrapperSpec
 from memfit.planner.fake import Phase, StepMeasurement, fake_process_group, measure_step, measured_optim_wrapper
 from memfit.planner.inputs import Inputs
 from memfit.planner.levers import fake_step_cfg
@@ -124,8 +125,7 @@ def _cost(cfg: dict, full: bool, steps: int, record: tuple[str, ...] | None = No
     micro-step one, each optimizer step 0.4, FSDP's wrapping 0.5, a recorded forward/backward 1.2."""
     if not full:
         return 1.2 if record is not None else 1.0
-    ow = cfg.get("optim_wrapper")
-    counts = ow.get("accumulative_counts", 1) if isinstance(ow, dict) else 1
+    counts = OptimWrapperSpec.of(cfg.get("optim_wrapper")).accumulative_counts
     return steps * (counts + 0.4) + 0.5 * _fsdp(cfg)
 
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from memfit.errors import ConfigError
 from memfit.model.blocks import find_blocks as _blocks
+from memfit.optim.spec import OptimWrapperSpec
 from memfit.strategies import capabilities_of, sharding_config
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -236,14 +237,14 @@ def configured_plan(cfg: dict, facts: ModelFacts, cuda: bool = True) -> Plan:
     sharding, offload = caps.sharding, "params" if caps.offloads_parameters else "none"
     if techniques.get("optimizer_offload"):
         offload = "optimizer"
-    opt = ow.get("optimizer") if isinstance(ow, dict) else None
+    spec = OptimWrapperSpec.of(ow)
     env = cfg.get("env_cfg") if isinstance(cfg.get("env_cfg"), dict) else {}
     return Plan(precision=precision, activation_checkpointing=_ac_name(ac, facts), sharding=sharding, offload=offload,
                 efficient_conv_bn_eval=bool(techniques.get("efficient_conv_bn_eval")),
                 micro_batch=int(cfg["train_dataloader"]["batch_size"]),
-                accumulative_counts=int(ow.get("accumulative_counts", 1)) if isinstance(ow, dict) else 1,
+                accumulative_counts=spec.accumulative_counts,
                 compile=bool(cfg.get("compile")), channels_last=bool(techniques.get("channels_last")),
-                fused_optimizer=isinstance(opt, dict) and bool(opt.get("fused")), tf32=techniques.get("tf32") is True,
+                fused_optimizer=spec.fused, tf32=techniques.get("tf32") is True,
                 cudnn_benchmark=bool(env.get("cudnn_benchmark")), configured=True)
 
 
