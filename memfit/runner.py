@@ -20,27 +20,17 @@ from torch import nn
 from memfit import dist
 from memfit.checks import check_classes, check_eval_configs
 from memfit.errors import ConfigError, ConfigTypeError, did_you_mean, warn_ignored
-from memfit.hooks.base import Hook, get_priority
+from memfit.hooks.base import Hook
 from memfit.hooks.log_options import log_options
+from memfit.hooks.registration import RunnerHooks
 from memfit.log_dir import make_log_dir
 from memfit.logger import MessageHub, get_logger, log_failure
 from memfit.model.base import BaseModel
-from memfit.registry import HOOKS, MODELS, copy_cfg
+from memfit.registry import MODELS, copy_cfg
 from memfit.resume import RunnerCheckpoints
 
-# The seeds' default hooks; entries of ``default_hooks`` replace or (set to None) remove them.
-DEFAULT_HOOKS: dict[str, dict] = dict(
-    runtime_info=dict(type="RuntimeInfoHook"),
-    timer=dict(type="IterTimerHook"),
-    sampler_seed=dict(type="DistSamplerSeedHook"),
-    logger=dict(type="LoggerHook", interval=10),
-    param_scheduler=dict(type="ParamSchedulerHook"),
-    checkpoint=dict(type="CheckpointHook", interval=1),
-    check_invalid_loss=dict(type="CheckInvalidLossHook", interval=10, action="stop"),  # synced with the log line
-)
 
-
-class Runner(RunnerCheckpoints):
+class Runner(RunnerCheckpoints, RunnerHooks):
     """MMEngine's Runner API on memfit. Pass live objects or config dicts (see the seeds)."""
 
     def __init__(
@@ -76,9 +66,8 @@ class Runner(RunnerCheckpoints):
         cfg: dict | None = None,
         precision: dict | None = None,  # Apex/VISSL opt levels: dict(opt_level='O2', ...), memfit.precision.master
     ) -> None:
-        from memfit.config.schema import CONFIG_KEYS, EnvCfg, Randomness, TestCfg, TrainCfg, ValCfg
+        from memfit.config.schema import CONFIG_KEYS, TestCfg, TrainCfg, ValCfg
         from memfit.precision import precision_options
-        from memfit.strategies import build_strategy
 
         self.cfg = dict(cfg or {})
         for key in self.cfg:
@@ -99,35 +88,9 @@ class Runner(RunnerCheckpoints):
                            test=(test_dataloader, test_evaluator, test_cfg))
         self.load_from, self.resume_from = load_from, resume
         self.compile, self._precision = compile, precision_options(precision)
-        self.launcher = launcher = dist.resolve_launcher(launcher)
-
-        # Environment: process group and device first, then seeds, then files and the logger.
-        env = EnvCfg.from_dict(env_cfg, "env_cfg")
-        if strategy is None:
-            strategy = self._strategy_from_cfg()
-        # Launched as several processes with no strategy: data parallel, as MMEngine does.
-        launched = int(os.environ.get("WORLD_SIZE", 1)) if launcher != "none" else 1
-        self.strategy = build_strategy(strategy, launched)
-        self.strategy.setup_env(launcher, {"dist_cfg": env.dist_cfg, "cudnn_benchmark": env.cudnn_benchmark})
-        self.randomness = Randomness.from_dict(randomness, "randomness")
-        self.seed = self._set_seed(self.randomness)
-        self.timestamp = dist.broadcast_object(time.strftime("%Y%m%d_%H%M%S"))
-        self.log_dir = self.work_dir / self.timestamp
-        if dist.is_main_process():
-            make_log_dir(self.work_dir, self.timestamp, work_dir)
-        self.logger = get_logger(self.log_dir / f"{self.timestamp}.log" if dist.is_main_process() else None,
-                                 log_level)
-        self.message_hub = MessageHub()
-        self.logger.info(
-            f"memfit: torch {torch.__version__}, {self.strategy.__class__.__name__} on {self.device}, "
-            f"world size {dist.get_world_size()}, seed {self.seed}"
-        )
-
-        if isinstance(model, dict) and data_preprocessor is not None:
-            model = {**model, "data_preprocessor": data_preprocessor}
-        self.model: nn.Module = MODELS.build(model, key="model")
-        if not isinstance(self.model, nn.Module):
-            raise ConfigTypeError(f"model must be an nn.Module or a config dict, got {type(self.model).__name__}")
+        self.launcher = dist.resolve_launcher(launcher)
+        self._setup_environment(strategy, env_cfg, randomness, work_dir, log_level)
+        self.model: nn.Module = self._build_model(model, data_preprocessor)
         self.optim_wrapper: Any = None
         self.param_schedulers: list = []
         self.train_loop: Any = None
@@ -144,6 +107,40 @@ class Runner(RunnerCheckpoints):
             self.register_hook({"type": "MemoryMonitorHook", **(monitor if isinstance(monitor, dict) else {})},
                                key="memory_monitor")
         self._cfg_to_dump: dict | None = None
+
+    def _setup_environment(self, strategy: Any, env_cfg: dict | None, randomness: dict | None, work_dir: str,
+                           log_level: str) -> None:
+        """The process group and device first (the strategy's), then the seeds, then the log folder and logger."""
+        from memfit.config.schema import EnvCfg, Randomness
+        from memfit.strategies import build_strategy
+
+        env = EnvCfg.from_dict(env_cfg, "env_cfg")
+        if strategy is None:
+            strategy = self._strategy_from_cfg()
+        # Launched as several processes with no strategy: data parallel, as MMEngine does.
+        launched = int(os.environ.get("WORLD_SIZE", 1)) if self.launcher != "none" else 1
+        self.strategy = build_strategy(strategy, launched)
+        self.strategy.setup_env(self.launcher, {"dist_cfg": env.dist_cfg, "cudnn_benchmark": env.cudnn_benchmark})
+        self.randomness = Randomness.from_dict(randomness, "randomness")
+        self.seed = self._set_seed(self.randomness)
+        self.timestamp = dist.broadcast_object(time.strftime("%Y%m%d_%H%M%S"))
+        self.log_dir = self.work_dir / self.timestamp
+        if dist.is_main_process():
+            make_log_dir(self.work_dir, self.timestamp, work_dir)
+        self.logger = get_logger(self.log_dir / f"{self.timestamp}.log" if dist.is_main_process() else None,
+                                 log_level)
+        self.message_hub = MessageHub()
+        self.logger.info(f"memfit: torch {torch.__version__}, {type(self.strategy).__name__} on {self.device}, "
+                         f"world size {dist.get_world_size()}, seed {self.seed}")
+
+    @staticmethod
+    def _build_model(model: nn.Module | dict, data_preprocessor: dict | None) -> nn.Module:
+        if isinstance(model, dict) and data_preprocessor is not None:
+            model = {**model, "data_preprocessor": data_preprocessor}
+        built = MODELS.build(model, key="model")
+        if not isinstance(built, nn.Module):
+            raise ConfigTypeError(f"model must be an nn.Module or a config dict, got {type(built).__name__}")
+        return built
 
     # -- construction from a config ------------------------------------------------------------
     @classmethod
@@ -229,46 +226,6 @@ class Runner(RunnerCheckpoints):
             torch.backends.cudnn.deterministic = True
             torch.backends.cudnn.benchmark = False
         return seed
-
-    # -- hooks ---------------------------------------------------------------------------------
-    def _register_hooks(self, default_hooks: dict | None, custom_hooks: list | None) -> None:
-        merged = dict(DEFAULT_HOOKS)
-        for name, hook in (default_hooks or {}).items():
-            if hook is None:
-                merged.pop(name, None)
-            elif isinstance(hook, dict) and name in merged and "type" not in hook:
-                merged[name] = {**merged[name], **hook}
-            elif isinstance(hook, dict) and "type" not in hook:
-                raise ConfigError(f"default_hooks.{name}: not a default hook, and no 'type' to build a new one: "
-                                  f"{did_you_mean(name, DEFAULT_HOOKS)}")
-            else:
-                merged[name] = hook
-        for name, hook in merged.items():
-            self.register_hook(hook, key=f"default_hooks.{name}")
-        for i, hook in enumerate(custom_hooks or []):
-            self.register_hook(hook, key=f"custom_hooks[{i}]")
-
-    def register_hook(self, hook: Hook | dict, priority: int | str | None = None, key: str = "hook") -> None:
-        """Add a hook (object or config); hooks run in priority order, ties in registration order."""
-        if isinstance(hook, dict):
-            hook = dict(hook)
-            priority = hook.pop("priority", priority)
-            hook = HOOKS.build(hook, key=key)
-        if not isinstance(hook, Hook):
-            raise ConfigTypeError(f"{key}: a hook must subclass memfit.hooks.Hook, got {type(hook).__name__}")
-        if priority is not None:
-            hook.priority = priority
-        p = get_priority(hook.priority)
-        at = len(self._hooks)
-        for i, h in enumerate(self._hooks):
-            if p < get_priority(h.priority):
-                at = i
-                break
-        self._hooks.insert(at, hook)
-
-    def call_hook(self, fn_name: str, **kwargs: Any) -> None:
-        for hook in self._hooks:
-            getattr(hook, fn_name)(self, **kwargs)
 
     # -- building the pieces -----------------------------------------------------------------
     def _build_dataloader(self, cfg: Any, key: str) -> Any:

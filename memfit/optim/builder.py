@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from memfit.errors import ConfigError, ConfigTypeError, MemfitError
+from memfit.optim.spec import is_multi_optim_cfg
 from memfit.registry import OPTIM_WRAPPER_CONSTRUCTORS, OPTIM_WRAPPERS, OPTIMIZERS, copy_cfg
 
 logger = logging.getLogger("memfit")
@@ -52,14 +53,6 @@ def build_optim_wrapper(model: nn.Module, cfg: Any, in_backward: bool = False, o
             key="optim_wrapper.constructor")
         return built(model)
     return _build_one_wrapper(model, cfg, paramwise_cfg, in_backward, offload)
-
-
-def is_multi_optim_cfg(cfg: Any) -> bool:
-    """True for ``dict(generator=dict(optimizer=...), discriminator=...)``: several optimizers."""
-    from memfit.optim.wrapper import OptimWrapper
-
-    return (isinstance(cfg, dict) and bool(cfg) and "optimizer" not in cfg and "type" not in cfg
-            and all(isinstance(v, dict | OptimWrapper) for k, v in cfg.items() if k != "constructor"))
 
 
 def _build_one_wrapper(model: nn.Module, cfg: dict, paramwise_cfg: dict | None, in_backward: bool,

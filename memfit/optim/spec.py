@@ -35,6 +35,13 @@ def check_clip_grad(value: Any, key: str = "optim_wrapper.clip_grad") -> dict | 
     return {k: v for k, v in value.items() if k != "type"} or None
 
 
+def is_multi_optim_cfg(cfg: Any) -> bool:
+    """True for ``dict(generator=dict(optimizer=...), discriminator=...)``: several optimizers (config dicts or
+    built wrappers, which step with ``update_params``)."""
+    return (isinstance(cfg, dict) and bool(cfg) and "optimizer" not in cfg and "type" not in cfg
+            and all(isinstance(v, dict) or hasattr(v, "update_params") for k, v in cfg.items() if k != "constructor"))
+
+
 def _type_name(kind: Any) -> str:
     return kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
 
@@ -53,8 +60,6 @@ class OptimWrapperSpec:
     @classmethod
     def of(cls, cfg: Any) -> OptimWrapperSpec:
         """Read a config dict, a built wrapper or None (no optimizer: the defaults)."""
-        from memfit.optim.builder import is_multi_optim_cfg
-
         if cfg is None:
             return cls()
         if not isinstance(cfg, dict):  # a built wrapper (or an OptimWrapperDict)
