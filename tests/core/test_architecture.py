@@ -163,9 +163,18 @@ def test_checkpoint_formats_do_not_live_in_strategies():
 
 
 def test_every_module_imports_on_its_own():
-    """Each module imported first, in a fresh module table (torch stays loaded: one process)."""
+    """Each module imported first, in a fresh module table (torch stays loaded: one process). Without
+    bytecode files (PYTHONDONTWRITEBYTECODE=1) every fresh import would compile all of memfit again (most of
+    the time): the process compiles each source once and executes that code object in each fresh module,
+    as a .pyc would serve it."""
     code = (
-        "import importlib, sys, traceback\n"
+        "import importlib, importlib.machinery, sys, traceback\n"
+        "_compiled, _to_code = {}, importlib.machinery.SourceFileLoader.source_to_code\n"
+        "def _cached(self, data, path, *args, **kwargs):\n"
+        "    if (path, data) not in _compiled:\n"
+        "        _compiled[path, data] = _to_code(self, data, path, *args, **kwargs)\n"
+        "    return _compiled[path, data]\n"
+        "importlib.machinery.SourceFileLoader.source_to_code = _cached\n"
         "failed = []\n"
         "for name in sys.argv[1:]:\n"
         "    for key in [k for k in sys.modules if k == 'memfit' or k.startswith('memfit.')]:\n"
