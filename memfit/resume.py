@@ -23,9 +23,11 @@ logger = logging.getLogger("memfit")
 
 
 def resume_path(resume: bool | str | None, work_dir: Path) -> Path | None:
-    """``resume=True``: the latest checkpoint in work_dir (None if there is none); a path: that checkpoint
-    (a file or sharded directory), or the last checkpoint of the work dir it names."""
-    from memfit.checkpoint import read_latest, resolve_checkpoint
+    """``resume=True``: the newest intact checkpoint in work_dir (None if there is none; a damaged newer one
+    is skipped with a warning); a path: that checkpoint, refused when damaged, or the newest intact
+    checkpoint of the work dir it names. Rank 0 decides and every rank gets its answer
+    (:func:`memfit.checkpoint.intact.agreed`)."""
+    from memfit.checkpoint.intact import agreed, choose_checkpoint, choose_named
 
     if not resume:
         return None
@@ -35,14 +37,14 @@ def resume_path(resume: bool | str | None, work_dir: Path) -> Path | None:
         if dist.is_main_process():  # a save a kill interrupted: put the previous checkpoint back in place
             recover(work_dir)
         dist.barrier()
-        path = read_latest(work_dir)
+        path = agreed(choose_checkpoint, work_dir)
         if path is None:
             logger.info(f"resume=True: no checkpoint in {work_dir} yet, training starts from the beginning")
         return path
     path = Path(resume)
     if not path.exists():
         raise CheckpointError(f"resume={str(resume)!r}: no such checkpoint file")
-    return resolve_checkpoint(path)
+    return agreed(choose_named, path)
 
 
 # load_from=dict(path=..., **LOAD_FROM_OPTIONS): what memfit.checkpoint.load_weights accepts.
