@@ -86,7 +86,7 @@ def make_runner(work_dir: Any, *, model: nn.Module | dict | None = None, val: bo
     return Runner(**kwargs)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def kit() -> SimpleNamespace:
     """The helpers above, for test modules (which cannot import a conftest under importlib mode)."""
     return SimpleNamespace(make_runner=make_runner, DropoutNet=DropoutNet, samples=samples,
