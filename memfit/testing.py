@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.dist import free_port
+from memfit.hooks.base import Hook
 
 
 def launch(script: str | Path, nproc: int = 2, args: list[str] | None = None, *, out_dir: str | Path,
@@ -170,3 +171,66 @@ def scripted_metric(script: list[dict]) -> Any:
 
     return Scripted()
 
+
+
+
+class SignalAt(Hook):
+    """A hook for tests (``custom_hooks=[dict(type='memfit.testing.SignalAt', at=5)]``): after iteration
+    ``at`` (1-based), send ``signal`` to this process ``times`` times, on rank ``rank`` only (None: on every
+    rank): a preemption arriving in the middle of a run."""
+
+    def __init__(self, at: int, signal: str = "SIGTERM", rank: int | None = None, times: int = 1) -> None:
+        self.at, self.signal, self.rank, self.times = at, signal, rank, times
+
+    def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None) -> None:
+        import signal as signals
+
+        if runner.iter + 1 == self.at and self.rank in (None, runner.rank):
+            for _ in range(self.times):
+                os.kill(os.getpid(), getattr(signals, self.signal))
+
+
+_FORK_PARENT = r"""
+import json, os, runpy, sys, traceback
+script, runs, out_dir = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+for module in json.loads(sys.argv[4]):
+    __import__(module)
+sys.path[0] = os.path.dirname(os.path.abspath(script))
+results = []
+for i, args in enumerate(runs):
+    paths = [os.path.join(out_dir, f"run{i}.{s}") for s in ("out", "err")]
+    pid = os.fork()
+    if pid == 0:
+        for fd, path in zip((1, 2), paths):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        sys.argv, code = [script, *args], 0
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        raise SystemExit(code)  # the interpreter's normal exit (atexit handlers), as a fresh process's
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    results.append([code, *(open(p).read() for p in paths)])
+print(json.dumps(results))
+"""
+
+
+def run_forked(script: str | Path, runs: list[list[str]], *, out_dir: str | Path, timeout: float = 600,
+               env: dict[str, str] | None = None, preload: tuple[str, ...] = ("torch", "memfit.runner"),
+               cwd: str | Path | None = None) -> list[subprocess.CompletedProcess]:
+    """Run ``script`` once per argument list in ``runs``, one after the other, each in its own process:
+    one parent imports ``preload`` once and forks a child per run (the child runs ``script`` as
+    ``__main__`` and exits normally, or dies by a signal), so a chain of short runs pays Python's and
+    torch's import once. Returns each run's exit status (``-N`` for signal N), stdout and stderr."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-c", _FORK_PARENT, str(script), json.dumps(runs), str(out_dir), json.dumps(preload)]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
+    if proc.returncode != 0:
+        raise AssertionError(f"the forking parent failed with exit {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return [subprocess.CompletedProcess([str(script), *args], code, out, err)
+            for args, (code, out, err) in zip(runs, json.loads(proc.stdout.splitlines()[-1]))]

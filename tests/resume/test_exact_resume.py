@@ -1,6 +1,6 @@
 """Exact resume after SIGKILL: the losses after a resume equal an uninterrupted run's, bit for bit.
 
-Each run is a subprocess (scripts/train_run.py: dropout, random crops and flips, bf16 autocast,
+Each run is a process of its own (scripts/train_run.py: dropout, random crops and flips, bf16 autocast,
 AdamW, warm-up + cosine schedule, accumulation k=3, validation with save_best, max_keep_ckpts=2)
 that appends ``iteration float.hex(loss)`` per iteration to a log. A chain of runs in one work dir
 is killed at several positions and resumed with ``resume=True`` each time; every loss any of those
@@ -22,18 +22,35 @@ import pytest
 import torch
 
 from memfit.checkpoint import find_checkpoints, load_checkpoint, read_latest
+from memfit.testing import run_forked
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_run.py"
 ITERS = 30  # both configs: 40 samples / batch 4 = 10 iterations per epoch, 3 epochs or 30 iterations
 
 
-def _run(work_dir: Path, log: Path, **opts) -> int:
-    args = json.dumps({"work_dir": str(work_dir), "log": str(log), **opts})
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, str(SCRIPT), args], capture_output=True, text=True, env=env, timeout=240)
+def _checked(proc: subprocess.CompletedProcess, opts: dict) -> int:
     if proc.returncode not in (0, -signal.SIGKILL):
         raise AssertionError(f"run {opts} failed with exit {proc.returncode}:\n{proc.stderr[-3000:]}")
     return proc.returncode
+
+
+def _args(work_dir: Path, log: Path, **opts) -> str:
+    return json.dumps({"work_dir": str(work_dir), "log": str(log), **opts})
+
+
+def _run(work_dir: Path, log: Path, **opts) -> int:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(SCRIPT), _args(work_dir, log, **opts)], capture_output=True,
+                          text=True, env=env, timeout=240)
+    return _checked(proc, opts)
+
+
+def _run_chain(tmp_path: Path, work_dir: Path, log: Path, runs: list[dict]) -> list[int]:
+    """The runs one after the other, each its own process (forked from one parent that imported torch and
+    memfit once: the imports were most of each run's time), as many exit statuses."""
+    procs = run_forked(SCRIPT, [[_args(work_dir, log, **opts)] for opts in runs], out_dir=tmp_path / "procs",
+                       timeout=240 * len(runs))
+    return [_checked(proc, opts) for proc, opts in zip(procs, runs)]
 
 
 def _segments(log: Path) -> list[tuple[int | None, list[tuple[int, str]]]]:
@@ -70,9 +87,11 @@ def _check_chain(tmp_path: Path, reference: tuple[dict[int, str], Path], kills: 
                  expected_resumes: list[int], **opts) -> None:
     ref_losses, ref_dir = reference
     work, log = tmp_path / "work", tmp_path / "losses.log"
-    for kill in kills:
-        assert _run(work, log, resume=True, kill=kill, **opts) == -signal.SIGKILL, f"kill {kill} did not happen"
-    assert _run(work, log, resume=True, **opts) == 0
+    codes = _run_chain(tmp_path, work, log, [*(dict(resume=True, kill=kill, **opts) for kill in kills),
+                                             dict(resume=True, **opts)])
+    for code, kill in zip(codes, kills):
+        assert code == -signal.SIGKILL, f"kill {kill} did not happen"
+    assert codes[-1] == 0
 
     segments = _segments(log)
     assert [start for start, _ in segments] == [None, *expected_resumes], f"kills {kills}"
