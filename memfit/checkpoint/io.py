@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import errno
 import os
 import re
 import types
@@ -184,8 +185,14 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 
 
 def write_error(path: str | Path, exc: BaseException) -> CheckpointError:
-    """One line for a failed write: the file, the cause (no space, no permission) and what to do;
+    """One line for a failed write: the file, the cause (no space, no permission, a directory of that name)
+    and what to do;
     the atomic protocol left the previous file of that name, and every other checkpoint, as it was."""
+    if isinstance(exc, IsADirectoryError | NotADirectoryError) or getattr(exc, "errno", None) == errno.ENOTEMPTY:
+        kind = "a directory" if Path(path).is_dir() else "a file"
+        return CheckpointError(f"cannot write {path}: {kind} of that name is in the way, a checkpoint of another run "
+                               "in the other format: continue that run with its own strategy, set work_dir to "
+                               "another folder, or remove it (earlier checkpoints are untouched)")
     cause = exc.strerror if isinstance(exc, OSError) and exc.strerror else first_line(exc)
     return CheckpointError(f"cannot write {path}: {cause}: free disk space or set work_dir to another folder "
                            "(earlier checkpoints are untouched)")

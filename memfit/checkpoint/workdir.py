@@ -146,6 +146,29 @@ def find_checkpoints(work_dir: str | Path, filename_tmpl: str | None = None) -> 
     return [path for _, _, path in sorted(found)]
 
 
+def format_clash(folder: str | Path, filename_tmpl: str, done: int, sharded: bool) -> str | None:
+    """One line when ``folder`` holds a checkpoint under a name this run will write, in the other form.
+
+    The names are ``filename_tmpl`` (and the ``best_<metric>_`` ones) numbered above ``done`` (the
+    epoch or iteration the run starts at); the other form is a directory of shards where this run
+    writes single files (``sharded=False``), or a file where it writes directories. Such a checkpoint
+    belongs to another run: a save would fail on it (or replace it) only when training gets there.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    before, after = filename_tmpl.split("{}", 1)
+    pattern = re.compile(f"^(best_.+_)?{re.escape(before)}(\\d+){re.escape(after)}$")
+    for path in sorted(folder.iterdir()):
+        match = pattern.match(path.name)
+        if match and int(match.group(2)) > done and path.is_dir() != sharded:
+            theirs, ours = ("a single-file", "directories of shards") if sharded else ("a sharded", "single files")
+            return (f"{path} is {theirs} checkpoint of another run, and this run writes its checkpoints as {ours} "
+                    "under the same names: continue that run with resume=True (--resume) and its own strategy, "
+                    "set work_dir to another folder, or remove the old checkpoints")
+    return None
+
+
 def remove_old(work_dir: str | Path, keep: int, protect: Iterable[str | Path] = (),
                filename_tmpl: str | None = None) -> list[Path]:
     """Delete all but the newest ``keep`` checkpoints (``max_keep_ckpts``); return what was removed.

@@ -121,12 +121,26 @@ class CheckpointHook(Hook):
         self.out_dir = work_dir if self._out_arg is None else _out_subdir(self._out_arg, work_dir)
         if self.out_dir != work_dir:
             runner.logger.info(f"Checkpoints will be saved to {self.out_dir}")
+        self._check_format(runner)
         if dist.is_main_process():
             for folder in {work_dir, self.out_dir}:
                 _remove_stale_temp_files(runner, folder)
         if self.max_keep_ckpts > 0:
             self.keep_ckpt_ids = self._restored_ids(runner)
             self._prune(runner)  # a resume with a smaller max_keep_ckpts deletes the surplus, as MMEngine
+
+    def _check_format(self, runner: Any) -> None:
+        """Another run's checkpoint under a name this run will write, in the other form (file or directory),
+        stops the run now rather than at that save; rank 0 looks, every rank stops."""
+        from memfit.checkpoint.workdir import format_clash
+        from memfit.errors import CheckpointError
+
+        done = runner.epoch if self.by_epoch else runner.iter
+        sharded = runner.strategy.capabilities.sharded_checkpoints
+        clash = format_clash(self.out_dir, self.filename_tmpl, done, sharded) if dist.is_main_process() else None
+        clash = dist.broadcast_object(clash)
+        if clash is not None:
+            raise CheckpointError(clash)
 
     def _restored_ids(self, runner: Any) -> list[int]:
         """``keep_ckpt_ids`` of the checkpoint resumed from; one saved without them (by an older memfit)

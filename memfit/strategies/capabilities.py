@@ -28,6 +28,7 @@ class Capabilities:
     contiguous (channels_last then converts the batch only). ``fake_step``: the planner can run the
     training step on fake tensors. ``optim_wrappers``: MMEngine optimizer-wrapper names that stand for
     this strategy (``DeepSpeedOptimWrapper``). ``config_hint``: how a config names it, for messages.
+    ``sharded_checkpoints``: saves each checkpoint as a directory of shards (``epoch_1.pth/``), not one file.
     The precision a backend's own options ask for is :meth:`Strategy.precision_request`.
     """
 
@@ -40,6 +41,7 @@ class Capabilities:
     fake_step: bool = True
     optim_wrappers: frozenset[str] = frozenset()
     config_hint: str = ""
+    sharded_checkpoints: bool = False
 
     def __post_init__(self) -> None:
         unknown = set(self.shards) - set(SHARDABLE)

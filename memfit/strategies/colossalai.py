@@ -105,7 +105,8 @@ class ColossalAIStrategy(Strategy):
                             own_optimizer=True, own_offload="its GeminiPlugin's placement_policy / offload_optim_frac",
                             contiguous_parameters=True, fake_step=False,
                             optim_wrappers=frozenset({"ColossalAIOptimWrapper"}),
-                            config_hint="strategy=dict(type='ColossalAIStrategy', ...)")
+                            config_hint="strategy=dict(type='ColossalAIStrategy', ...)",
+                            sharded_checkpoints=self.sharded)
 
     # -- environment -------------------------------------------------------------------------
     def setup_env(self, launcher: str = "none", env_cfg: dict | None = None) -> None:

@@ -127,7 +127,8 @@ class FSDPStrategy(Strategy):
         """ZeRO-3 (ZeRO-2 with ``reshard_after_forward=False``); fully_shard needs contiguous parameters."""
         return Capabilities(shards=shards_up_to(3 if self.reshard_after_forward else 2), data_parallel=True,
                             offloads_parameters=bool(self.cpu_offload), contiguous_parameters=True,
-                            config_hint="strategy='fsdp' (FSDPStrategy)")
+                            config_hint="strategy='fsdp' (FSDPStrategy)",
+                            sharded_checkpoints=self.state_dict_type == "sharded")
 
     @classmethod
     def fake_step_options(cls, cfg: dict) -> dict:
