@@ -4,7 +4,8 @@ Every error ends in one line on stderr, ``memfit: error: ...``, never a tracebac
 prints it as well). Exit status 2: the input was refused before training started (a ConfigError or
 CheckpointError: the line names the config file, key or path and the fix). Exit status 1: a failure
 while running (the line names the epoch and iteration; the traceback is in the run's log file), or
-any other error. 130: interrupted (Ctrl-C).
+any other error. 130: interrupted (Ctrl-C). 75: preempted (SIGTERM or SIGUSR1): a checkpoint to resume
+from was saved, ``memfit train CFG --resume`` continues (requeue the job).
 """
 
 from __future__ import annotations
@@ -19,12 +20,21 @@ from typing import Any
 import torch  # loaded with the memfit package anyway; --version names it
 
 from memfit._version import __version__
-from memfit.errors import CheckpointError, ConfigError, MemfitError, failure_summary, first_line
+from memfit.errors import (
+    PREEMPTED_EXIT_CODE,
+    CheckpointError,
+    ConfigError,
+    MemfitError,
+    Preempted,
+    failure_summary,
+    first_line,
+)
 
 DESCRIPTION = "memfit: train large vision models in the memory you have (run 'memfit COMMAND --help' for each)."
 EPILOG = ("Exit status: 0 done; 2 the input was refused before training started (the error line names the config "
           "key, file or path and the fix); 1 a failure while running (the line says where; the traceback is in the "
-          "run's log file, --debug prints it); 130 interrupted.")
+          "run's log file, --debug prints it); 75 preempted by SIGTERM/SIGUSR1 after saving a checkpoint (rerun with "
+          "--resume); 130 interrupted.")
 
 
 def _load_cfg(args: argparse.Namespace) -> Any:
@@ -292,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print("memfit: interrupted", file=sys.stderr)
         return 130
+    except Preempted as exc:  # the checkpoint is saved: one line (rank 0's), the status a job script tests
+        if os.environ.get("RANK", "0") == "0":
+            print(f"memfit: {exc} (exit status {PREEMPTED_EXIT_CODE})", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     except Exception as exc:
         if getattr(args, "debug", False):
             traceback.print_exc()

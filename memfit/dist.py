@@ -193,3 +193,30 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().clone()
     dist.all_reduce(t)
     return t / get_world_size()
+
+
+_cpu_group: tuple[Any, Any] | None = None  # (the default group it was made for, the gloo group)
+
+
+def cpu_group() -> Any:
+    """A gloo group over every rank, for small host-side collectives that must not touch the GPU (no
+    device synchronisation, no NCCL kernel): the default group itself when it is gloo (returned as None),
+    else a gloo group created once per process group. Creating it is a collective: call it on every rank
+    at the same point."""
+    global _cpu_group
+    if not is_distributed() or dist.get_backend() == "gloo":
+        return None
+    world = dist.group.WORLD
+    if _cpu_group is None or _cpu_group[0] is not world:
+        _cpu_group = (world, dist.new_group(backend="gloo"))
+    return _cpu_group[1]
+
+
+def all_reduce_max_int(value: int, group: Any = None) -> int:
+    """The largest ``value`` over all ranks, through a CPU tensor (on ``group``, e.g. :func:`cpu_group`);
+    ``value`` itself in a single process."""
+    if get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())

@@ -28,6 +28,24 @@ class TrainingError(MemfitError, RuntimeError):
     """Training cannot go on (e.g. a non-finite loss); the message names the iteration and the fix."""
 
 
+# ``memfit train``'s exit status after a preemption checkpoint: sysexits.h's EX_TEMPFAIL ("temporary
+# failure, the user is invited to retry"), which a Slurm script tests to requeue the job.
+PREEMPTED_EXIT_CODE = 75
+
+
+class Preempted(MemfitError):
+    """Training stopped on a preemption signal after saving a checkpoint that resumes at the next batch.
+
+    Raised by ``Runner.train()`` once the checkpoint is complete; ``memfit train`` prints its message
+    in one line and exits with :data:`PREEMPTED_EXIT_CODE`. ``signal_name`` ('SIGTERM', 'SIGUSR1'),
+    ``iteration`` (iterations completed) and ``checkpoint`` (its path) say what happened.
+    """
+
+    def __init__(self, message: str, signal_name: str = "", iteration: int = 0, checkpoint: str = "") -> None:
+        super().__init__(message)
+        self.signal_name, self.iteration, self.checkpoint = signal_name, iteration, checkpoint
+
+
 def first_line(exc: BaseException, limit: int = 240) -> str:
     """The first non-empty line of ``exc``'s message (its type name when it has none), shortened to
     ``limit`` characters, for a one-line error that quotes another library's exception."""

@@ -19,7 +19,7 @@ from torch import nn
 
 from memfit import dist
 from memfit.checks import check_classes, check_eval_configs
-from memfit.errors import ConfigError, ConfigTypeError, did_you_mean, warn_ignored
+from memfit.errors import ConfigError, ConfigTypeError, Preempted, did_you_mean, warn_ignored
 from memfit.hooks.base import Hook
 from memfit.hooks.log_options import log_options
 from memfit.hooks.registration import RunnerHooks
@@ -299,6 +299,8 @@ class Runner(RunnerCheckpoints, RunnerHooks):
         try:
             self.train_loop.run()
             finished = True
+        except Preempted:  # not a failure: the checkpoint to resume from is written and logged
+            raise
         except BaseException as exc:  # one line where it failed; the traceback to the log file
             log_failure(self.logger, exc, "training", self.train_loop.position())
             raise

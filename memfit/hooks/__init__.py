@@ -6,8 +6,9 @@ from memfit.hooks.invalid_loss import CheckInvalidLossHook
 from memfit.hooks.logger import LoggerHook
 from memfit.hooks.memory import MemoryMonitorHook
 from memfit.hooks.param_scheduler import ParamSchedulerHook
+from memfit.hooks.preemption import PreemptionHook
 from memfit.hooks.sampler_seed import DistSamplerSeedHook
 from memfit.hooks.timer import IterTimerHook
 
 __all__ = ["Hook", "CheckInvalidLossHook", "CheckpointHook", "RuntimeInfoHook", "LoggerHook", "ParamSchedulerHook",
-           "DistSamplerSeedHook", "IterTimerHook", "MemoryMonitorHook"]
+           "DistSamplerSeedHook", "IterTimerHook", "MemoryMonitorHook", "PreemptionHook"]

@@ -17,6 +17,7 @@ DEFAULT_HOOKS: dict[str, dict] = dict(
     param_scheduler=dict(type="ParamSchedulerHook"),
     checkpoint=dict(type="CheckpointHook", interval=1),
     check_invalid_loss=dict(type="CheckInvalidLossHook", interval=10, action="stop"),  # synced with the log line
+    preemption=dict(type="PreemptionHook"),  # memfit's: save and stop on SIGTERM/SIGUSR1
 )
 
 
