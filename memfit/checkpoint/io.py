@@ -186,8 +186,8 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 
 def write_error(path: str | Path, exc: BaseException) -> CheckpointError:
     """One line for a failed write: the file, the cause (no space, no permission, a directory of that name)
-    and what to do;
-    the atomic protocol left the previous file of that name, and every other checkpoint, as it was."""
+    and what to do; the atomic protocol left the previous file of that name, and every other checkpoint,
+    as it was."""
     if isinstance(exc, IsADirectoryError | NotADirectoryError) or getattr(exc, "errno", None) == errno.ENOTEMPTY:
         kind = "a directory" if Path(path).is_dir() else "a file"
         return CheckpointError(f"cannot write {path}: {kind} of that name is in the way, a checkpoint of another run "
