@@ -1,10 +1,11 @@
 """DeepSpeedStrategy: ZeRO 0-3 x precision x offload against one process, accumulation, kill-and-resume,
 export, load_from, the seed's snippet and its failure mode, on 2 CPU processes (gloo).
 
-The distributed runs are batched into four launches (importing deepspeed is slow), each shared by the
-tests that read it. DeepSpeed with gloo can abort at process teardown after the work is done; a launch
-is accepted with a non-zero exit only when every rank wrote the result of its last command, so a
-real failure (a rank that died before finishing) still fails the test with the launcher's output.
+The distributed runs are batched into three launches (each pays Python's, torch's and deepspeed's imports),
+shared by the tests that read them: the ZeRO equivalence cases run in the launch that resumes. DeepSpeed
+with gloo can abort at process teardown after the work is done; a launch is accepted with a non-zero exit
+only when every rank wrote the result of its last command, so a real failure (a rank that died before
+finishing) still fails the test with the launcher's output.
 """
 
 from __future__ import annotations
@@ -39,19 +40,20 @@ def run(script: str, args: list[str], out: Path, nproc: int = 2, last: str | Non
 
 
 @pytest.fixture(scope="module")
-def equivalence(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("ds_equivalence")
-    return run("ds_equivalence.py", CASES, out, last="world_size")[0]
+def equivalence(runs) -> dict:
+    return runs["equivalence"]  # scripts/ds_equivalence.py's cases, run by scripts/ds_runs.py
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """full run; killed run; resumed run + export; the seed's snippet; the failure miniature; one process."""
+    """full run; killed run; resumed run + export; the seed's snippet; the failure miniature; the ZeRO
+    equivalence cases; one process."""
     out = tmp_path_factory.mktemp("ds_runs")
     full = run("ds_runs.py", [f"full:{out / 'full'}", f"kill:{out / 'killed'}"], out / "a", last="full")[0]
     killed = read_results(out / "a", 2, name="kill")[0]
     # The one-process run reads the weights the resumed run exported into its output folder.
-    rest = run("ds_runs.py", [f"resume:{out / 'killed'}", "seed", "dino"], out / "b", last="dino")[0]
+    rest = run("ds_runs.py", [f"resume:{out / 'killed'}", "seed", "dino", f"equivalence:{','.join(CASES)}"],
+               out / "b", last="equivalence")[0]
     single = run("ds_runs.py", [f"single:{out / 'killed'}"], out / "b", nproc=1, last="single")[0]
     return {**full, "kill": killed, **rest, **single}
 

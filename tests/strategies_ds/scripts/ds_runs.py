@@ -8,6 +8,7 @@ Usage: ``ds_runs.py COMMAND[:ARG] ...``, run in order in one process (imports ar
 - ``single:WD``: one process: resuming WD's 2-rank checkpoint fails with a clear error; ``load_from``
   of the exported weights lands in the ZeRO-3 shards and in the optimizer's fp32 master copy.
 - ``seed``: mmengine_training_big_models.md's FlexibleRunner DeepSpeed snippet (fp16 -> bf16).
+- ``equivalence:CASE,...``: ds_equivalence.py's cases (ZeRO 0-3 x precision x offload against one process).
 - ``dino``: a hand-written BCE with a 1e-5 epsilon (as detection heads write it) under whole-model
   bf16 and under memfit's autocast with the loss as an fp32 island.
 """
@@ -262,9 +263,17 @@ def cmd_dino(_: str = "") -> None:
     RESULTS["dino"] = out
 
 
+def cmd_equivalence(cases: str) -> None:
+    """ds_equivalence.py's CASEs (comma-separated) in this launch, each against its own one-process reference."""
+    import ds_equivalence  # a sibling script: its folder is sys.path[0]
+
+    out = {case: ds_equivalence.run_case(case, os.path.join(OUT, "equivalence")) for case in cases.split(",")}
+    RESULTS["equivalence"] = dict(out, world_size=dist.get_world_size())
+
+
 def main() -> None:
     commands = {"full": cmd_full, "kill": cmd_kill, "resume": cmd_resume, "single": cmd_single,
-                "seed": cmd_seed, "dino": cmd_dino}
+                "seed": cmd_seed, "dino": cmd_dino, "equivalence": cmd_equivalence}
     for spec in sys.argv[1:]:
         name, _, arg = spec.partition(":")
         commands[name](arg)
