@@ -121,3 +121,13 @@ def test_sharded_checkpoint_with_a_missing_shard_falls_back(tmp_path, kit, caplo
     assert f"{work / 'iter_8.pth'} is damaged (shard __0_0.distcp is missing)" in line
     assert line.endswith("resuming from iter_4.pth instead")
     assert [it for it, _, _ in recorder.iters] == [4, 5, 6, 7]
+
+
+def test_named_work_dir_falls_back(tmp_path, kit, uninterrupted, caplog):
+    """resume=<a work dir> stands for its newest intact checkpoint, as resume=True does."""
+    work = _copy(uninterrupted, tmp_path)
+    (work / "iter_16.pth").write_bytes(b"")
+    _, recorder = _resume(kit, tmp_path / "new", resume=str(work))
+    [line] = [w for w in _warnings(caplog) if "damaged" in w]
+    assert line.endswith("is damaged (empty: 0 bytes): resuming from iter_14.pth instead")
+    assert recorder.iters[0][0] == 14
