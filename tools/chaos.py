@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help=f"of {', '.join(STRATEGIES)}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--amp", action="store_true", help="bf16 autocast (slow on CPUs without native bf16)")
-    parser.add_argument("--trials", help="these trials instead of drawn ones: strategy:moment:K,... (e.g. ddp:before:5)")
+    parser.add_argument("--trials", help="these trials, not drawn ones: strategy:moment:K,... (ddp:before:5)")
     parser.add_argument("--keep", help="keep the runs' work dirs under this folder")
     args = parser.parse_args(argv)
     strategies = args.strategies.split(",")
