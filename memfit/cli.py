@@ -305,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as exc:  # the checkpoint is saved: one line (rank 0's), the status a job script tests
         if os.environ.get("RANK", "0") == "0":
             print(f"memfit: {exc} (exit status {PREEMPTED_EXIT_CODE})", file=sys.stderr)
+        marker = os.environ.get("MEMFIT_PREEMPTED_FILE")  # memfit.launch.spawn's: torchrun exits 1 itself
+        if marker:
+            Path(marker).touch()
         return PREEMPTED_EXIT_CODE
     except Exception as exc:
         if getattr(args, "debug", False):

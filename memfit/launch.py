@@ -55,9 +55,23 @@ def torchrun_command(train_argv: list[str], nproc: int, nnodes: int = 1, node_ra
     return [*cmd, "-m", "memfit", *train_argv]
 
 
+# A preempted child touches this file (memfit.cli): torchrun itself exits 1 whatever its children's status.
+PREEMPTED_FILE_ENV = "MEMFIT_PREEMPTED_FILE"
+
+
 def spawn(argv: list[str], nproc: int, **kwargs: object) -> int:
-    """Run ``memfit <argv>`` under torchrun (launch flags removed) and return its exit status."""
+    """Run ``memfit <argv>`` under torchrun (launch flags removed) and return its exit status: the children's
+    preemption status (75) when they stopped on a preemption signal, which torchrun would report as 1."""
+    import tempfile
+    from pathlib import Path
+
+    from memfit.errors import PREEMPTED_EXIT_CODE
+
     cmd = torchrun_command(strip_launch_flags(argv), nproc, **kwargs)  # type: ignore[arg-type]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default, said explicitly
-    return subprocess.call(cmd, env=env)
+    with tempfile.TemporaryDirectory(prefix="memfit-") as tmp:
+        marker = Path(tmp) / "preempted"
+        env[PREEMPTED_FILE_ENV] = str(marker)
+        code = subprocess.call(cmd, env=env)
+        return PREEMPTED_EXIT_CODE if code != 0 and marker.exists() else code

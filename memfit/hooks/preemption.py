@@ -110,6 +110,9 @@ class PreemptionHook(Hook):
         got = [rank for rank, received in enumerate(dist.all_gather_object(self._received)) if received]
         path = runner.save_checkpoint(f"iter_{done}.pth", meta=dict(epoch=runner.epoch, iter=done))
         runner.strategy.finalize_checkpoints()  # a background save becomes last_checkpoint before we leave
+        # No rank leaves before rank 0 has pointed last_checkpoint at it: torchrun stops the others (SIGTERM)
+        # as soon as one process exits with a non-zero status.
+        dist.all_reduce_max_int(0, self._group)
         name = signal.Signals(signum).name
         ranks = "" if dist.get_world_size() == 1 else f" on rank{'s' if len(got) > 1 else ''} " + \
             ",".join(map(str, got))

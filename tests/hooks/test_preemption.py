@@ -140,3 +140,16 @@ def test_two_ranks_stop_together_when_one_is_signalled(tmp_path):
             assert r["preempted"] == dict(signal="SIGTERM", iteration=5, ranks="on rank 1", saved=True), strategy
             assert r["first"] == r["full"][:5] and r["first"] + r["resumed"] == r["full"], strategy
             assert r["weights_equal"], strategy
+
+
+@pytest.mark.parametrize("touched, expected", [(True, PREEMPTED_EXIT_CODE), (False, 1)])
+def test_gpus_launch_reports_a_preempted_child(monkeypatch, touched, expected):
+    """``memfit train --gpus N``: torchrun exits 1 when a child exits non-zero; a preempted child says so."""
+    import sys
+
+    import memfit.launch
+
+    child = "import os, pathlib, sys; " + ("pathlib.Path(os.environ['MEMFIT_PREEMPTED_FILE']).touch(); " if touched
+                                           else "") + "sys.exit(1)"
+    monkeypatch.setattr(memfit.launch, "torchrun_command", lambda *args, **kwargs: [sys.executable, "-c", child])
+    assert memfit.launch.spawn(["train", "cfg.py", "--gpus", "2"], 2) == expected
