@@ -38,8 +38,9 @@ class PreemptionHook(Hook):
     the exception) and point ``last_checkpoint`` at it; ``resume=True`` continues at the next batch.
 
     The handlers are installed when the training loop starts (main thread only) and the previous ones
-    restored when ``train()`` returns or raises. A second SIGTERM at least a second after the first ends
-    the process as it would have ended without memfit (the previous handler, by default death by SIGTERM).
+    restored when ``train()`` returns or raises. A SIGTERM at least a second after the signal that asked
+    for the stop ends the process as it would have ended without memfit (the previous handler; by default
+    death by SIGTERM).
     """
 
     priority = "LOWEST"  # after the logger and the CheckpointHook have seen the iteration
@@ -62,6 +63,7 @@ class PreemptionHook(Hook):
 
     # -- the handlers --------------------------------------------------------------------------
     def before_train(self, runner: Any) -> None:
+        self.restore_handlers()  # never keep our own handler as "the previous one"
         self._received = 0
         self._group = dist.cpu_group()  # a collective, on every rank, before the first iteration
         if threading.current_thread() is not threading.main_thread():
