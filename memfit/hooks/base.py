@@ -30,6 +30,14 @@ def get_priority(priority: int | str) -> int:
     raise error(f"unknown hook priority {priority!r}: use an int or one of {', '.join(PRIORITIES)}")
 
 
+def save_waits(runner: Any) -> bool:
+    """A checkpoint now would lose an open accumulation window's partial gradients (the strategy keeps them in
+    its own buffers, ``Capabilities.partial_gradients``): a save waits for the window's end."""
+    wrapper = runner.optim_wrapper
+    return (not runner.strategy.capabilities.partial_gradients and callable(getattr(wrapper, "window_open", None))
+            and wrapper.window_open())
+
+
 class Hook:
     """Base class for hooks. Override any of the methods below; all default to doing nothing.
 

@@ -17,10 +17,9 @@ import torch
 
 from memfit import dist
 from memfit.errors import ConfigError, ConfigTypeError, type_or_value_error
-from memfit.hooks.base import Hook, check_local_storage
+from memfit.hooks.base import Hook, check_local_storage, save_waits
+from memfit.hooks.checkpoint_options import _WHERE, rule_list, save_best_list, str_list
 from memfit.registry import HOOKS
-
-_WHERE = "default_hooks.checkpoint"
 
 
 @HOOKS.register()
@@ -79,11 +78,12 @@ class CheckpointHook(Hook):
         self.out_dir: Any = out_dir  # a Path once training starts: out_dir/<work_dir name>, or the work dir
         self._out_arg = out_dir
         self._filename_tmpl = filename_tmpl
-        self.greater_keys = _str_list("greater_keys", greater_keys, self._default_greater_keys)
-        self.less_keys = _str_list("less_keys", less_keys, self._default_less_keys)
-        self.published_keys = _str_list("published_keys", published_keys, None)
-        self.save_best = _save_best_list(save_best)
-        self.rules: list[str | None] = _rule_list(rule, self.save_best)
+        self.greater_keys = str_list("greater_keys", greater_keys, self._default_greater_keys)
+        self.less_keys = str_list("less_keys", less_keys, self._default_less_keys)
+        self.published_keys = str_list("published_keys", published_keys, None)
+        self.save_best = save_best_list(save_best)
+        self.rules: list[str | None] = rule_list(rule, self.save_best)
+        self._waiting = False  # a save fell inside an accumulation window it cannot keep: at the window's end
         self.key_indicators: list[str] = []
         if self.save_best is not None:
             self._init_rule(self.rules, self.save_best)
@@ -172,7 +172,15 @@ class CheckpointHook(Hook):
             return
         if self.every_n_train_iters(runner, self.interval, self.save_begin) or (
             self.save_last and self.is_last_train_iter(runner)
-        ):
+        ) or self._waiting:
+            if save_waits(runner):  # exact resume needs the window's partial gradients, which it cannot save
+                if not self._waiting:
+                    runner.logger.info(f"checkpoint due at {runner.iter + 1} iterations waits for the end of the "
+                                       f"accumulation window ({type(runner.strategy).__name__} keeps its partial "
+                                       "gradients in its own buffers)")
+                self._waiting = True
+                return
+            self._waiting = False
             runner.logger.info(f"Saving checkpoint at {runner.iter + 1} iterations")
             self._save_periodic(runner, runner.iter + 1, dict(epoch=runner.epoch, iter=runner.iter + 1))
 
@@ -314,37 +322,6 @@ class CheckpointHook(Hook):
         with atomic_path(final) as tmp:
             tmp.write_bytes(buffer.getvalue())
         runner.logger.info(f"The checkpoint ({path}) is published to {final}.")
-
-
-def _str_list(name: str, value: Any, default: list[str] | None) -> list[str] | None:
-    """None -> ``default``; a str -> [it]; a list/tuple of str as a list (no duplicates)."""
-    if value is None:
-        return default
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list | tuple) or not all(isinstance(k, str) for k in items):
-        raise ConfigTypeError(f"{_WHERE}.{name}={value!r}: use a str or a list of str")
-    if len(set(items)) != len(items):
-        raise ConfigError(f"{_WHERE}.{name}={value!r}: remove the duplicate entries")
-    return list(items)
-
-
-def _save_best_list(save_best: Any) -> list[str] | None:
-    keys = _str_list("save_best", save_best, None)
-    if keys is not None and "auto" in keys and len(keys) > 1:
-        raise ConfigError(f"{_WHERE}.save_best={save_best!r}: 'auto' (the first metric) cannot be combined with "
-                          "other metrics; give 'auto' alone or name the metrics")
-    return keys
-
-
-def _rule_list(rule: Any, save_best: list[str] | None) -> list[str | None]:
-    rules = list(rule) if isinstance(rule, list | tuple) else [rule]
-    for r in rules:
-        if r not in (None, "greater", "less"):
-            raise ConfigError(f"{_WHERE}.rule={r!r}: use 'greater' or 'less' (or None to decide by the key)")
-    if len(rules) not in (1, len(save_best or rules)):
-        raise ConfigError(f"{_WHERE}.rule={rule!r}: give one rule, or one per save_best metric "
-                          f"({len(save_best or [])})")
-    return rules
 
 
 def _out_subdir(out_dir: str | Path, work_dir: Path) -> Path:

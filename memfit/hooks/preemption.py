@@ -17,7 +17,7 @@ from typing import Any
 
 from memfit import dist
 from memfit.errors import ConfigError, Preempted, type_or_value_error
-from memfit.hooks.base import Hook
+from memfit.hooks.base import Hook, save_waits
 from memfit.registry import HOOKS
 
 _WHERE = "default_hooks.preemption"
@@ -60,11 +60,12 @@ class PreemptionHook(Hook):
         self._received_at = 0.0
         self._previous: dict[int, Any] = {}
         self._group: Any = None
+        self._stopping = 0  # the agreed signal, while the run finishes its accumulation window
 
     # -- the handlers --------------------------------------------------------------------------
     def before_train(self, runner: Any) -> None:
         self.restore_handlers()  # never keep our own handler as "the previous one"
-        self._received = 0
+        self._received, self._stopping = 0, 0
         self._group = dist.cpu_group()  # a collective, on every rank, before the first iteration
         if threading.current_thread() is not threading.main_thread():
             runner.logger.warning("PreemptionHook: train() runs outside the main thread, where Python cannot "
@@ -99,11 +100,22 @@ class PreemptionHook(Hook):
 
     # -- stopping ------------------------------------------------------------------------------
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None) -> None:
-        if not self.every_n_train_iters(runner, self.interval):
+        if self._stopping:  # agreed already; every rank is at the same place in the window
+            signum = self._stopping
+        elif not self.every_n_train_iters(runner, self.interval):
             return
-        signum = dist.all_reduce_max_int(self._received, self._group)
-        if signum:
-            self._stop(runner, signum)
+        else:
+            signum = dist.all_reduce_max_int(self._received, self._group)
+        if not signum:
+            return
+        if save_waits(runner):
+            if not self._stopping and dist.is_main_process():
+                runner.logger.warning(f"preemption: {signal.Signals(signum).name} received; finishing the accumulation "
+                                      f"window first ({type(runner.strategy).__name__} cannot save its partial "
+                                      "gradients)")
+            self._stopping = signum
+            return
+        self._stop(runner, signum)
 
     def _stop(self, runner: Any, signum: int) -> None:
         """Save where the run stands (the next batch is the first one of the resumed run), then raise."""

@@ -108,6 +108,10 @@ class OptimWrapper:
         MMEngine's manual loop: ``backward(loss); if should_update(): step(); zero_grad()``."""
         return self.inner_count % self.accumulative_counts == 0 or self.inner_count == self.max_counts
 
+    def window_open(self) -> bool:
+        """Between iterations: micro-steps were backpropagated that no optimizer step has taken yet."""
+        return not self.should_update()
+
     def should_sync(self) -> bool:
         """Before ``backward``: True when the coming micro-step closes a window (gradients synchronise)."""
         k = self.accumulative_counts

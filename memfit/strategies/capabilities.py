@@ -29,6 +29,9 @@ class Capabilities:
     training step on fake tensors. ``optim_wrappers``: MMEngine optimizer-wrapper names that stand for
     this strategy (``DeepSpeedOptimWrapper``). ``config_hint``: how a config names it, for messages.
     ``sharded_checkpoints``: saves each checkpoint as a directory of shards (``epoch_1.pth/``), not one file.
+    ``partial_gradients``: a checkpoint saved inside an accumulation window keeps the window's partial
+    gradients (they are the parameters' ``.grad``); False where the backend keeps them in its own buffers
+    (FSDP2 without gradient sync, DeepSpeed, colossalai): checkpoints then wait for the window's end.
     The precision a backend's own options ask for is :meth:`Strategy.precision_request`.
     """
 
@@ -42,6 +45,7 @@ class Capabilities:
     optim_wrappers: frozenset[str] = frozenset()
     config_hint: str = ""
     sharded_checkpoints: bool = False
+    partial_gradients: bool = True
 
     def __post_init__(self) -> None:
         unknown = set(self.shards) - set(SHARDABLE)

@@ -106,7 +106,7 @@ class ColossalAIStrategy(Strategy):
                             contiguous_parameters=True, fake_step=False,
                             optim_wrappers=frozenset({"ColossalAIOptimWrapper"}),
                             config_hint="strategy=dict(type='ColossalAIStrategy', ...)",
-                            sharded_checkpoints=self.sharded)
+                            sharded_checkpoints=self.sharded, partial_gradients=False)
 
     # -- environment -------------------------------------------------------------------------
     def setup_env(self, launcher: str = "none", env_cfg: dict | None = None) -> None:

@@ -122,7 +122,8 @@ class DeepSpeedStrategy(Strategy):
                             own_offload="zero_optimization=dict(offload_optimizer=dict(device='cpu'))",
                             contiguous_parameters=True, fake_step=False,
                             optim_wrappers=frozenset({"DeepSpeedOptimWrapper"}),
-                            config_hint="strategy=dict(type='DeepSpeedStrategy', ...)", sharded_checkpoints=True)
+                            config_hint="strategy=dict(type='DeepSpeedStrategy', ...)", sharded_checkpoints=True,
+                            partial_gradients=False)
 
     # -- environment -------------------------------------------------------------------------
     def setup_env(self, launcher: str = "none", env_cfg: dict | None = None) -> None:

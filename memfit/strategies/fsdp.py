@@ -128,7 +128,7 @@ class FSDPStrategy(Strategy):
         return Capabilities(shards=shards_up_to(3 if self.reshard_after_forward else 2), data_parallel=True,
                             offloads_parameters=bool(self.cpu_offload), contiguous_parameters=True,
                             config_hint="strategy='fsdp' (FSDPStrategy)",
-                            sharded_checkpoints=self.state_dict_type == "sharded")
+                            sharded_checkpoints=self.state_dict_type == "sharded", partial_gradients=False)
 
     @classmethod
     def fake_step_options(cls, cfg: dict) -> dict:
