@@ -26,13 +26,15 @@ def is_deepspeed_checkpoint(path: str | Path) -> bool:
 
 
 def _deepspeed_safe_globals() -> list[Any]:
-    """The plain-data classes DeepSpeed pickles into its checkpoint files (enums, loss scalers, sets)."""
+    """The plain-data classes DeepSpeed pickles into its checkpoint files (enums, loss scalers, sets, and the
+    (numel, start) fragment addresses of ZeRO-1/2's optimizer partitions)."""
     import collections
 
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
 
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler, set, collections.OrderedDict, torch.Size]
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, set, collections.OrderedDict, torch.Size, fragment_address]
 
 
 @contextlib.contextmanager

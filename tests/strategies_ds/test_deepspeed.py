@@ -268,3 +268,17 @@ def test_deepspeed_internal_loads_are_weights_only(tmp_path):
         with pytest.raises(CheckpointError, match="refuses to unpickle"):
             torch.load(evil, weights_only=False)
     assert not marker.exists()
+
+
+def test_zero2_optimizer_partitions_load_weights_only(tmp_path):
+    """ZeRO-1/2 optimizer files pickle the (numel, start) address of each partition's fragments: they load
+    with memfit's weights-only allowlist (``memfit export`` and one-process reads of such checkpoints)."""
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    from memfit.checkpoint.deepspeed import weights_only_loads
+
+    path = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"param_slice_mappings": [{"w": fragment_address(numel=4, start=2)}], "t": torch.ones(2)}, path)
+    with weights_only_loads():
+        state = torch.load(path, weights_only=False)  # as DeepSpeed calls it
+    assert state["param_slice_mappings"][0]["w"] == fragment_address(numel=4, start=2)
