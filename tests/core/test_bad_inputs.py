@@ -229,7 +229,7 @@ def test_empty_checkpoint_file_and_corrupt_latest(tmp_path):
     (tmp_path / "empty.pth").write_bytes(b"")
     with pytest.raises(CheckpointError) as exc:
         Runner.from_cfg(config(resume="empty.pth")).train()
-    one_line(exc.value, "empty.pth", "empty or truncated")
+    one_line(exc.value, "empty.pth", "damaged (empty: 0 bytes)")
     # resume=True where last_checkpoint names a damaged file: the error names that file
     work = tmp_path / "damaged"
     work.mkdir()
