@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         loss_note = "equal" if not r["wrong_losses"] and not r["missing"] else \
             f"differ at {r['wrong_losses']}, missing {r['missing']}"
         state = "bit-exact" if r["diff"] == 0.0 else f"max diff {r['diff']:.3g}"
-        print(f"| {i} | {strategy} | {moment}:{k} | {r['resumes']} | {loss_note} | {state} "
+        moment_note = f"{moment}:{k}" if r["killed"] else f"{moment}:{k} (never reached: not killed)"
+        print(f"| {i} | {strategy} | {moment_note} | {r['resumes']} | {loss_note} | {state} "
               f"| {'nothing lost' if exact else 'LOST'} | {r['seconds']:.0f} |", flush=True)
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
