@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from memfit.dist import free_port
 from memfit.hooks.base import Hook
 
@@ -234,3 +236,19 @@ def run_forked(script: str | Path, runs: list[list[str]], *, out_dir: str | Path
         raise AssertionError(f"the forking parent failed with exit {proc.returncode}:\n{proc.stderr[-4000:]}")
     return [subprocess.CompletedProcess([str(script), *args], code, out, err)
             for args, (code, out, err) in zip(runs, json.loads(proc.stdout.splitlines()[-1]))]
+
+
+class TinyNet(nn.Sequential):
+    """The kill-and-resume runs' backbone: two convolutions with dropout (model randomness to restore)."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Dropout(0.3), nn.Conv2d(8, 8, 3, stride=2),
+                         nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.2), nn.Linear(8, 4))
+
+
+def augmented_shapes(split: str, n: int, augment: bool) -> dict:
+    """A ShapesDataset config of ``n`` 32 px images, randomly cropped and flipped when ``augment``."""
+    aug = [dict(type="RandomResizedCrop", size=24, scale=(0.5, 1.0), antialias=True),
+           dict(type="RandomHorizontalFlip")] if augment else [dict(type="Resize", size=24, antialias=True)]
+    pipeline = aug + [dict(type="ToDtype", dtype="float32", scale=True), dict(type="Normalize", mean=[0.5], std=[0.5])]
+    return dict(type="ShapesDataset", num_samples=n, image_size=32, num_classes=4, split=split, transform=pipeline)

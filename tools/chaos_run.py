@@ -24,13 +24,12 @@ import os
 import signal
 import sys
 
-from torch import nn
-
 import memfit.checkpoint
 from memfit import dist
 from memfit.hooks import Hook
 from memfit.model import ImageClassifier
 from memfit.runner import Runner
+from memfit.testing import TinyNet, augmented_shapes
 
 ITERS, ACCUMULATION, SAVE_EVERY, VAL_EVERY = 12, 2, 3, 4
 STRATEGIES = {
@@ -101,19 +100,6 @@ def kill_inside_saves(when: str, k: int) -> None:
         memfit.checkpoint.write_latest = write_latest  # memfit.resume imports it when it saves
 
 
-class TinyNet(nn.Sequential):
-    def __init__(self) -> None:
-        super().__init__(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Dropout(0.3), nn.Conv2d(8, 8, 3, stride=2),
-                         nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.2), nn.Linear(8, 4))
-
-
-def dataset(split: str, n: int, augment: bool) -> dict:
-    aug = [dict(type="RandomResizedCrop", size=24, scale=(0.5, 1.0), antialias=True),
-           dict(type="RandomHorizontalFlip")] if augment else [dict(type="Resize", size=24, antialias=True)]
-    pipeline = aug + [dict(type="ToDtype", dtype="float32", scale=True), dict(type="Normalize", mean=[0.5], std=[0.5])]
-    return dict(type="ShapesDataset", num_samples=n, image_size=32, num_classes=4, split=split, transform=pipeline)
-
-
 def main() -> None:
     opts = json.loads(sys.argv[1])
     kill = opts.get("kill")
@@ -124,9 +110,9 @@ def main() -> None:
         model=dict(type=ImageClassifier, backbone=dict(type=TinyNet)),
         work_dir=opts["work_dir"],
         train_dataloader=dict(batch_size=4, num_workers=0, sampler=dict(type="DefaultSampler", shuffle=True),
-                              dataset=dataset("train", 32, True)),
+                              dataset=augmented_shapes("train", 32, True)),
         val_dataloader=dict(batch_size=8, sampler=dict(type="DefaultSampler", shuffle=False),
-                            dataset=dataset("val", 16, False)),
+                            dataset=augmented_shapes("val", 16, False)),
         val_evaluator=dict(type="Accuracy"),
         val_cfg=dict(),
         train_cfg=dict(by_epoch=False, max_iters=ITERS, val_interval=VAL_EVERY),

@@ -25,12 +25,12 @@ import signal
 import sys
 
 import torch
-from torch import nn
 
 import memfit.checkpoint
 from memfit.hooks import Hook
 from memfit.model import ImageClassifier
 from memfit.runner import Runner
+from memfit.testing import TinyNet, augmented_shapes
 
 opts = json.loads(sys.argv[1])
 
@@ -100,22 +100,6 @@ def kill_before_pointer(name: str) -> None:
     memfit.checkpoint.write_latest = write_latest
 
 
-class TinyNet(nn.Sequential):
-    def __init__(self) -> None:
-        super().__init__(
-            nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Dropout(0.3),
-            nn.Conv2d(8, 8, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-            nn.Dropout(0.2), nn.Linear(8, 4),
-        )
-
-
-def dataset(split: str, n: int, augment: bool) -> dict:
-    aug = [dict(type="RandomResizedCrop", size=24, scale=(0.5, 1.0), antialias=True),
-           dict(type="RandomHorizontalFlip")] if augment else [dict(type="Resize", size=24, antialias=True)]
-    pipeline = aug + [dict(type="ToDtype", dtype="float32", scale=True), dict(type="Normalize", mean=[0.5], std=[0.5])]
-    return dict(type="ShapesDataset", num_samples=n, image_size=32, num_classes=4, split=split, transform=pipeline)
-
-
 def main() -> None:
     kill = opts.get("kill")
     hooks: list[Hook] = [LossRecorder(opts["log"])]
@@ -136,9 +120,10 @@ def main() -> None:
         model=dict(type=ImageClassifier, backbone=dict(type=TinyNet)),
         work_dir=opts["work_dir"],
         train_dataloader=dict(batch_size=4, num_workers=opts.get("num_workers", 0),
-                              sampler=dict(type="DefaultSampler", shuffle=True), dataset=dataset("train", 40, True)),
+                              sampler=dict(type="DefaultSampler", shuffle=True),
+                              dataset=augmented_shapes("train", 40, True)),
         val_dataloader=dict(batch_size=8, sampler=dict(type="DefaultSampler", shuffle=False),
-                            dataset=dataset("val", 16, False)),
+                            dataset=augmented_shapes("val", 16, False)),
         val_evaluator=dict(type="Accuracy"),
         val_cfg=dict(),
         train_cfg=train_cfg,
