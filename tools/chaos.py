@@ -31,13 +31,15 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from chaos_run import ITERS, SAVE_EVERY, STRATEGIES, VAL_EVERY  # noqa: E402
+from chaos_run import ACCUMULATION, ITERS, SAVE_EVERY, STRATEGIES, VAL_EVERY  # noqa: E402
 
 from memfit.dist import free_port  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "chaos_run.py"
 RANKS = {"single": 1}  # every other strategy runs on 2 ranks
 MOMENTS = ("before", "save", "pointer", "eval")
+# Strategies that keep an accumulation window's partial gradients in their own buffers (Capabilities)
+WINDOW_END_SAVES = ("fsdp", "deepspeed_zero2", "deepspeed_zero3")
 
 
 def run(opts: dict, nproc: int, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -149,7 +151,10 @@ def draw(rng: random.Random, strategies: list[str], n: int) -> list[tuple[str, s
         evals = [j for j in range(VAL_EVERY, ITERS, VAL_EVERY)]
         k = rng.choice(saves) if moment in ("save", "pointer") else rng.choice(evals) if moment == "eval" \
             else rng.randrange(1, ITERS)
-        out.append((strategies[i % len(strategies)], moment, k))
+        strategy = strategies[i % len(strategies)]
+        if moment in ("save", "pointer") and strategy in WINDOW_END_SAVES:
+            k += k % ACCUMULATION  # its checkpoint due inside a window is written at the window's end
+        out.append((strategy, moment, k))
     return out
 
 
