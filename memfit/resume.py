@@ -193,13 +193,21 @@ def _restore_optimization(runner: Any, model: torch.nn.Module, wrapper: Any, sta
     load_scheduler_state(runner, state, path)
     grads = state.get("grads") or []
     if grads:
+        own = grads[dist.get_rank()] if len(grads) == dist.get_world_size() else _mean_grads(grads)
         if len(grads) != dist.get_world_size():
-            runner.logger.warning(f"{path}: saved inside an accumulation window at world size {len(grads)}; "
-                                  "the partial gradients of rank 0 are used on every rank")
-        own = grads[dist.get_rank()] if len(grads) == dist.get_world_size() else grads[0]
+            runner.logger.warning(f"{path}: saved inside an accumulation window at world size {len(grads)}, resumed "
+                                  f"at {dist.get_world_size()}: every rank starts from the mean of the saved ranks' "
+                                  "partial gradients (the same window as before when the global batch is the same)")
         for name, p in model.named_parameters():
             if name in own:
                 p.grad = own[name].to(p.device, p.dtype)
+
+
+def _mean_grads(grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The mean of every rank's partial gradient. After the window's all-reduce (a mean over ranks) each rank
+    then holds what the saved ranks would have: the saved part's mean plus the mean of the new ranks' parts."""
+    names = set.intersection(*(set(g) for g in grads))
+    return {n: torch.stack([g[n].float() for g in grads]).mean(0).to(grads[0][n].dtype) for n in sorted(names)}
 
 
 class RunnerCheckpoints:

@@ -239,11 +239,13 @@ def run_forked(script: str | Path, runs: list[list[str]], *, out_dir: str | Path
 
 
 class TinyNet(nn.Sequential):
-    """The kill-and-resume runs' backbone: two convolutions with dropout (model randomness to restore)."""
+    """The kill-and-resume runs' backbone: two convolutions with dropout (model randomness to restore; per rank,
+    so ``dropout=False`` where a run resumes at another world size)."""
 
-    def __init__(self) -> None:
-        super().__init__(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Dropout(0.3), nn.Conv2d(8, 8, 3, stride=2),
-                         nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.2), nn.Linear(8, 4))
+    def __init__(self, dropout: bool = True) -> None:
+        p1, p2 = (0.3, 0.2) if dropout else (0.0, 0.0)
+        super().__init__(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Dropout(p1), nn.Conv2d(8, 8, 3, stride=2),
+                         nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(p2), nn.Linear(8, 4))
 
 
 def augmented_shapes(split: str, n: int, augment: bool) -> dict:

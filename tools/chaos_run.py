@@ -4,7 +4,8 @@
 
 Options: ``work_dir``, ``log`` (rank 0 appends ``iteration float.hex(global loss)`` per iteration and
 ``resumed N`` after a resume), ``strategy`` (a key of STRATEGIES below), ``amp`` (bf16 autocast),
-``resume`` and ``kill``, where to SIGKILL the whole run (every rank and torchrun: its process group):
+``resume``, ``batch`` (per rank, default 4), ``dropout`` (default on) and ``kill``, where to SIGKILL the
+whole run (every rank and torchrun: its process group):
 
 - ``before:K``: once K iterations are done, before the next starts (inside an accumulation window when K
   is not a multiple of the accumulation);
@@ -107,9 +108,10 @@ def main() -> None:
         kill_inside_saves(kill.split(":")[0], int(kill.split(":")[1]))
     wrapper = dict(type="AmpOptimWrapper", dtype="bfloat16") if opts.get("amp") else dict(type="OptimWrapper")
     runner = Runner(
-        model=dict(type=ImageClassifier, backbone=dict(type=TinyNet)),
+        model=dict(type=ImageClassifier, backbone=dict(type=TinyNet, dropout=opts.get("dropout", True))),
         work_dir=opts["work_dir"],
-        train_dataloader=dict(batch_size=4, num_workers=0, sampler=dict(type="DefaultSampler", shuffle=True),
+        train_dataloader=dict(batch_size=opts.get("batch", 4), num_workers=0,
+                              sampler=dict(type="DefaultSampler", shuffle=True),
                               dataset=augmented_shapes("train", 32, True)),
         val_dataloader=dict(batch_size=8, sampler=dict(type="DefaultSampler", shuffle=False),
                             dataset=augmented_shapes("val", 16, False)),
