@@ -70,6 +70,15 @@ def losses(log: Path) -> tuple[dict[int, list[str]], int]:
     return out, resumes
 
 
+def completed(work_dir: Path, log: Path) -> bool:
+    """The run trained to the end and published its last checkpoint, whatever its exit status (DeepSpeed over
+    gloo rarely aborts in its teardown, after the work is done)."""
+    from memfit.checkpoint import read_latest
+
+    latest = read_latest(work_dir)
+    return latest is not None and latest.name == f"iter_{ITERS}.pth" and ITERS - 1 in losses(log)[0]
+
+
 def final_state(work_dir: Path) -> dict[str, torch.Tensor]:
     """The final checkpoint's tensors (weights, and the optimizer state where it can be read in one process:
     DeepSpeed's shards are compared file by file), flattened to ``key.path -> tensor``."""
@@ -128,7 +137,7 @@ def trial(root: Path, strategy: str, moment: str, k: int, amp: bool, ref: dict, 
     if proc.returncode not in (0, -signal.SIGKILL, 1, 137):  # torchrun reports a killed worker as 1
         return dict(error=f"killed run exited {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
     resumed = run({**base, "resume": True, "batch": 4 * nproc}, 1) if reshard else run({**base, "resume": True}, nproc)
-    if resumed.returncode != 0:
+    if resumed.returncode != 0 and not completed(work, log):
         tail = resumed.stderr.strip().splitlines()[-3:]
         return dict(error=f"resume exited {resumed.returncode}: {' | '.join(tail)}")
     seen, resumes = losses(log)
@@ -145,7 +154,7 @@ def reference(root: Path, strategy: str, amp: bool, dropout: bool = True) -> dic
     work, log = root / "work", root / "losses.log"
     proc = run(dict(work_dir=str(work), log=str(log), strategy=strategy, amp=amp, dropout=dropout),
                RANKS.get(strategy, 2))
-    if proc.returncode != 0:
+    if proc.returncode != 0 and not completed(work, log):
         raise RuntimeError(f"the uninterrupted {strategy} run failed:\n{proc.stderr[-3000:]}")
     seen, _ = losses(log)
     assert sorted(seen) == list(range(ITERS)), sorted(seen)
