@@ -52,7 +52,8 @@ class Chaos(Hook):
     """Records the global loss of every iteration (rank 0, line-buffered: it survives a SIGKILL) and
     kills the run at ``before:K`` / ``eval:K``."""
 
-    priority = "LOWEST"
+    # Before the CheckpointHook: an iteration's loss is recorded before a kill inside its checkpoint's save.
+    priority = "HIGHEST"
 
     def __init__(self, log: str, kill: str | None) -> None:
         self.file = open(log, "a", buffering=1) if int(os.environ.get("RANK", 0)) == 0 else None
