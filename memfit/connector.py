@@ -19,7 +19,7 @@ from torch import nn
 from memfit import dist
 from memfit.errors import ConfigError
 from memfit.precision import MasterWeightsPrecision, Precision, resolve_precision
-from memfit.registry import STRATEGIES
+from memfit.registry import OPTIM_WRAPPERS, STRATEGIES
 from memfit.strategies import Capabilities, Strategy
 
 
@@ -53,9 +53,10 @@ def resolve_optim_wrapper(cfg: Any, strategy: Strategy) -> Any:
     if not isinstance(cfg, dict):
         return cfg
     if is_multi_optim_cfg(cfg):
+        backends = backend_wrappers()
         for name, sub in cfg.items():
             kind = _type_name(sub.get("type", "OptimWrapper")) if isinstance(sub, dict) else type(sub).__name__
-            if kind in backend_wrappers():
+            if kind in backends:
                 raise ConfigError(f"optim_wrapper.{name}.type={kind!r}: a backend wrapper cannot be one of several "
                                   "optimizers; use OptimWrapper or AmpOptimWrapper for each")
         return cfg
@@ -71,6 +72,8 @@ def resolve_optim_wrapper(cfg: Any, strategy: Strategy) -> Any:
                               "dict(type='ZeroRedundancyOptimizer', optimizer_type='AdamW', lr=...)")
         cfg["optimizer"] = {"type": optimizer.pop("optimizer_type"), **optimizer}
         kind = "ZeroOptimWrapper" if kind == "OptimWrapper" else kind
+    if kind in OPTIM_WRAPPERS:  # memfit's own wrapper (OptimWrapper, AmpOptimWrapper): no backend to look up
+        return cfg
     needed = backend_wrappers().get(kind)
     if needed is None:
         return cfg
