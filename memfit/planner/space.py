@@ -22,7 +22,7 @@ from torch import nn
 from memfit.errors import ConfigError
 from memfit.model.blocks import find_blocks as _blocks
 from memfit.optim.spec import OptimWrapperSpec
-from memfit.strategies import capabilities_of, sharding_config
+from memfit.strategies import build_strategy, sharding_config
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SHARDINGS = ("none", "zero1", "zero2", "fsdp")
@@ -230,10 +230,11 @@ def configured_plan(cfg: dict, facts: ModelFacts, cuda: bool = True) -> Plan:
     An ``AmpOptimWrapper`` without a dtype is what the target resolves it to: fp16 on CUDA; on a CPU,
     bf16 where it is native, else fp32 (memfit.precision.default_amp_dtype)."""
     ow = cfg.get("optim_wrapper") or {}
-    precision = _precision_word(ow, cfg.get("strategy"), "cuda" if cuda else "cpu", cfg.get("precision"))
+    strategy = build_strategy(copy.deepcopy(cfg.get("strategy")))  # built, never set up
+    precision = _precision_word(ow, strategy, "cuda" if cuda else "cpu", cfg.get("precision"))
     techniques = {**technique_cfg(cfg), **{k: cfg[k] for k in ("channels_last", "tf32") if k in cfg}}
     ac = techniques.get("activation_checkpointing")
-    caps = capabilities_of(cfg.get("strategy"))
+    caps = strategy.capabilities
     sharding, offload = caps.sharding, "params" if caps.offloads_parameters else "none"
     if techniques.get("optimizer_offload"):
         offload = "optimizer"
@@ -255,14 +256,13 @@ def _precision_word(optim_wrapper: Any, strategy: Any, device_type: str, precisi
     import warnings
 
     from memfit.precision import precision_options, resolve_precision
-    from memfit.strategies import build_strategy
 
     log = logging.getLogger("memfit")
     level, log.disabled = log.disabled, True
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dtype = resolve_precision(optim_wrapper, build_strategy(copy.deepcopy(strategy)), device_type,
+            dtype = resolve_precision(optim_wrapper, strategy, device_type,
                                       precision_options(precision_cfg)).dtype
     finally:
         log.disabled = level
