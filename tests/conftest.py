@@ -1,9 +1,15 @@
 """Shared fixtures: run every test in its own directory, with one CPU thread."""
 
 import os
+import shutil
 
-import pytest
-import torch
+# Triton kernels run in Triton's interpreter on CPU tensors where no GPU driver is present. Triton reads this
+# when it is imported and when it decorates a kernel, so it is set before anything imports torch or triton.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # AmpOptimWrapper's default dtype on CPU depends on the CPU (bf16 only where it is native): pin it to

@@ -277,6 +277,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
     import time
 
     from memfit.connector import setup
+    from memfit.measure.target import measured_for
     from memfit.optim.builder import scale_lr_cfg
     from memfit.planner.cuda_autocast import cuda_autocast_on_cpu
     from memfit.planner.timeline import Recorder
@@ -322,7 +323,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
             recorder = Recorder({n: modules[n] for n in record if n in modules}, allocator)
         observer = recorder.observe(counter) if recorder is not None else counter
         with counter, MemoryTracker(model, wrapper.optimizer, observer=observer, allocator=allocator) as tracker, \
-                cuda_autocast_on_cpu(cuda):
+                cuda_autocast_on_cpu(cuda), measured_for("cuda" if cuda else None):
             if allocator is not None:  # allocated before the step's first kernels: workspaces, DDP's buckets
                 for i, n in enumerate(CUBLAS_BLOCKS + _chunks(buckets, DDP_BUCKET)):
                     allocator.malloc(("before the step", i), n)

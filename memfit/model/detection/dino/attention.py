@@ -1,7 +1,10 @@
 """The attention and feed-forward blocks of DINO's transformer, with MMCV's parameter names.
 
-``multi_scale_deformable_attn`` is the multi-scale sampling of Deformable DETR written with
-``grid_sample`` (what mmcv's ``multi_scale_deformable_attn_pytorch`` computes). It is our own code rather
+``multi_scale_deformable_attn`` is the multi-scale sampling of Deformable DETR, in one of two
+implementations: on CUDA with Triton installed, memfit's Triton kernel (``memfit::ms_deform_attn``,
+:mod:`deform_op`; what MMCV's CUDA kernel does: reads the value in its own dtype, accumulates in fp32, keeps
+only its inputs for the backward); elsewhere, and as the reference, the same computation written with
+``grid_sample`` (what mmcv's ``multi_scale_deformable_attn_pytorch`` computes). That one is our own code rather
 than ``transformers``' ``MultiScaleDeformableAttention``: importing that module pulls in DeepSpeed (it
 prints an accelerator warning and adds ~4 s to the import) and decorates the op with a kernel-hub
 replacement; we need the op as an fp32 island under autocast anyway; and, unlike mmcv's and transformers'
@@ -12,6 +15,7 @@ MMCV's CUDA kernel's, which holds no samples at all (see ``_SampleAndWeigh``).
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import math
 from collections.abc import Iterator
@@ -22,23 +26,44 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memfit.errors import ConfigError, warn_ignored
+from memfit.measure.target import device_type_of
 from memfit.model.detection.dino.fp32 import fp32_island
+
+IMPLEMENTATIONS = ("auto", "triton", "pytorch")
+
+
+def deformable_implementation(value: Tensor, impl: str = "auto") -> str:
+    """``'triton'`` for a computation on CUDA (or planned for CUDA) with Triton installed, else ``'pytorch'``;
+    an explicit ``impl`` is kept."""
+    if impl != "auto":
+        return impl
+    cuda = device_type_of(value) == "cuda"
+    return "triton" if cuda and importlib.util.find_spec("triton") is not None else "pytorch"
 
 
 def multi_scale_deformable_attn(value: Tensor, spatial_shapes: list[tuple[int, int]], sampling_locations: Tensor,
-                                attention_weights: Tensor, chunk_elements: int | None = None) -> Tensor:
-    """Sample every level at the given locations and sum with the attention weights, in fp32.
+                                attention_weights: Tensor, chunk_elements: int | None = None,
+                                impl: str = "auto") -> Tensor:
+    """Sample every level at the given locations and sum with the attention weights, accumulating in fp32.
 
     ``value`` ``[B, S, heads, d]`` (the levels' maps flattened and concatenated), ``spatial_shapes`` the
     ``(h, w)`` of each level, ``sampling_locations`` ``[B, Q, heads, levels, points, 2]`` in ``[0, 1]``
-    (x, y), ``attention_weights`` ``[B, Q, heads, levels, points]`` -> ``[B, Q, heads * d]`` (fp32).
-    Bilinear sampling at fractional positions loses precision in bf16/fp16, so autocast is off here
-    (MMCV's CUDA kernel is fp32 too). ``chunk_elements`` bounds the samples held at once (default
-    ``CHUNK_ELEMENTS``; see ``_SampleAndWeigh``).
+    (x, y), ``attention_weights`` ``[B, Q, heads, levels, points]`` -> ``[B, Q, heads * d]`` in the value's
+    dtype. Bilinear sampling at fractional positions loses precision in bf16/fp16, so both implementations
+    compute in fp32 whatever autocast says (MMCV's CUDA kernel does too); the Triton kernel reads bf16/fp16
+    values as they are, the PyTorch one copies them to fp32. ``impl``: ``'auto'`` (see
+    :func:`deformable_implementation`), ``'triton'`` or ``'pytorch'``. ``chunk_elements`` bounds the PyTorch
+    implementation's samples held at once (default ``CHUNK_ELEMENTS``; see ``_SampleAndWeigh``).
     """
+    if deformable_implementation(value, impl) == "triton":
+        from memfit.model.detection.dino import deform_op  # noqa: F401  (registers memfit::ms_deform_attn)
+
+        shapes = [int(n) for hw in spatial_shapes for n in hw]
+        return torch.ops.memfit.ms_deform_attn(value, shapes, sampling_locations, attention_weights)
     with fp32_island(value.device):
-        return _SampleAndWeigh.apply(value.float(), sampling_locations.float(), attention_weights.float(),
-                                     tuple(spatial_shapes), chunk_elements or CHUNK_ELEMENTS)
+        out = _SampleAndWeigh.apply(value.float(), sampling_locations.float(), attention_weights.float(),
+                                    tuple(spatial_shapes), chunk_elements or CHUNK_ELEMENTS)
+    return out.to(value.dtype)
 
 
 # The most samples (fp32 elements) one grid_sample call makes: 256 MiB. One level's samples,
@@ -157,12 +182,17 @@ class MultiScaleDeformableAttention(nn.Module):
     per head and level around its reference point, at offsets and with weights predicted from the query.
 
     Returns ``identity + dropout(output_proj(attention))``; padded positions of ``value`` are zeroed.
+    ``impl`` (memfit's, MMCV has none): the sampling's implementation, ``'auto'`` (the Triton kernel on CUDA
+    where Triton is installed, else ``grid_sample``), ``'triton'`` or ``'pytorch'``.
     """
 
     def __init__(self, embed_dims: int = 256, num_heads: int = 8, num_levels: int = 4, num_points: int = 4,
                  dropout: float = 0.1, batch_first: bool = True, im2col_step: int = 64,
-                 value_proj_ratio: float = 1.0) -> None:
+                 value_proj_ratio: float = 1.0, impl: str = "auto") -> None:
         super().__init__()
+        if impl not in IMPLEMENTATIONS:
+            raise ConfigError(f"impl={impl!r} is not a deformable attention implementation: use one of "
+                              f"{', '.join(map(repr, IMPLEMENTATIONS))} ('auto': the Triton kernel on CUDA)")
         if embed_dims % num_heads:
             raise ConfigError(f"embed_dims={embed_dims} must be divisible by num_heads={num_heads}")
         if not batch_first:
@@ -170,8 +200,8 @@ class MultiScaleDeformableAttention(nn.Module):
         if value_proj_ratio != 1.0:
             raise ConfigError(f"value_proj_ratio={value_proj_ratio} is not supported: use 1.0")
         if im2col_step != 64:
-            warn_ignored("im2col_step", "the deformable attention is pure PyTorch (grid_sample), not MMCV's kernel")
-        self.embed_dims, self.num_heads = embed_dims, num_heads
+            warn_ignored("im2col_step", "memfit's deformable attention kernel chooses its own blocks of queries")
+        self.embed_dims, self.num_heads, self.impl = embed_dims, num_heads, impl
         self.num_levels, self.num_points = num_levels, num_points
         self.sampling_offsets = nn.Linear(embed_dims, num_heads * num_levels * num_points * 2)
         self.attention_weights = nn.Linear(embed_dims, num_heads * num_levels * num_points)
@@ -221,7 +251,7 @@ class MultiScaleDeformableAttention(nn.Module):
             else:  # offsets relative to the reference box
                 locations = (ref[:, :, None, :, None, :2]
                              + offsets / self.num_points * ref[:, :, None, :, None, 2:] * 0.5)
-        out = multi_scale_deformable_attn(value, spatial_shapes, locations, weights)
+        out = multi_scale_deformable_attn(value, spatial_shapes, locations, weights, impl=self.impl)
         return identity + self.dropout(self.output_proj(out))
 
 
