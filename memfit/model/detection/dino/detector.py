@@ -157,7 +157,8 @@ class DINO(BaseModel):
             h, w = feat.shape[-2:]
             shapes.append((h, w))
             m = None if masks is None else F.interpolate(masks[None].float(), size=(h, w))[0].bool()
-            p = self.positional_encoding(m, feat)
+            # computed in fp32, then the model's dtype: unchanged under autocast, bf16 in a whole-model bf16 DINO
+            p = self.positional_encoding(m, feat).to(self.level_embed.dtype)
             flat.append(feat.flatten(2).transpose(1, 2))
             pos.append(p.flatten(2).transpose(1, 2) + self.level_embed[level].view(1, 1, -1))
             if m is not None:

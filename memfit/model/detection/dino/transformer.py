@@ -157,7 +157,9 @@ class DINODecoder(nn.Module):
         intermediate, references = [], [reference_points]
         for i, layer in enumerate(self.layers):
             ref_input = reference_points[:, :, None] * torch.cat([valid_ratios, valid_ratios], -1)[:, None]
-            query_pos = self.ref_point_head(coordinate_to_encoding(ref_input[:, :, 0, :], self.embed_dims // 2))
+            # the boxes stay fp32; their encoding enters the layers in the queries' dtype (whole-model bf16: bf16)
+            encoding = coordinate_to_encoding(ref_input[:, :, 0, :], self.embed_dims // 2).to(query.dtype)
+            query_pos = self.ref_point_head(encoding)
             query = layer(query, query_pos, value, key_padding_mask, self_attn_mask, ref_input, spatial_shapes)
             new_reference = (reg_branches[i](query) + inverse_sigmoid(reference_points, eps=1e-3)).sigmoid()
             reference_points = new_reference.detach()
