@@ -7,7 +7,8 @@
 * :mod:`~memfit.measure.live_storages`: the ``TorchDispatchMode`` that counts live storages by category;
 * :mod:`~memfit.measure.caching_allocator`: a model of CUDA's caching allocator, replayed over those
   storages to give what ``max_memory_allocated``/``max_memory_reserved`` would read on a GPU;
-* :mod:`~memfit.measure.storages`: finding the storages of parameters, gradients and optimizer state.
+* :mod:`~memfit.measure.storages`: finding the storages of parameters, gradients and optimizer state;
+* :mod:`~memfit.measure.target`: the device a step is measured for (a fake CPU step planned for a GPU).
 
 It imports nothing else of memfit (layer 0, docs/architecture.md). The memory *techniques* applied to
 the model are :mod:`memfit.memory`.
