@@ -1,20 +1,20 @@
 """Helpers for memfit's own tests: launch a script on N CPU processes (gloo) and collect results.
 
 Distributed tests write a small Python script (or use one under tests/), start it with
-``launch(script, nproc=2)`` (one process per rank, with torchrun's variables), and have each rank write its
-results to
-``$MEMFIT_TEST_OUT/rank{RANK}.json`` (``write_result``); the test then reads them with
-``read_results``. Checking what the ranks wrote, not only the exit status, keeps the tests honest
-when a backend aborts at teardown after the work is done (DeepSpeed with gloo does, rarely).
+``launch(script, nproc=2)`` (one process per rank, forked from a parent that imported torch and memfit once,
+with torchrun's variables), and have each rank write its results to ``$MEMFIT_TEST_OUT/rank{RANK}.json``
+(``write_result``); the test then reads them with ``read_results``. Checking what the ranks wrote, not only
+the exit status, keeps the tests honest when a backend aborts at teardown after the work is done (DeepSpeed
+with gloo does, rarely).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,56 +23,90 @@ from torch import nn
 from memfit.dist import free_port
 from memfit.hooks.base import Hook
 
+# launch()'s preload for scripts that train with DeepSpeed: its import (~4 s) then happens once, not per rank.
+DEEPSPEED_PRELOAD = ("torch", "memfit.runner", "deepspeed")
+
 
 def launch(script: str | Path, nproc: int = 2, args: list[str] | None = None, *, out_dir: str | Path,
-           timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+           timeout: float = 300, env: dict[str, str] | None = None,
+           preload: tuple[str, ...] = ("torch", "memfit.runner")) -> subprocess.CompletedProcess:
     """Run ``script`` on ``nproc`` CPU processes as torchrun's static rendezvous would start them (``RANK``,
     ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``; rank 0 hosts the
     store); results go to ``out_dir``.
 
-    The ranks are started directly, not through torchrun: its agent imports torch before it starts them
-    (~3.5 s of CPU per launch on a 2-core machine, a third of a trivial 2-rank job). As torchrun does, a rank
-    that fails stops the others (after a 2 s grace for the ones finishing); the exit status is the first
-    non-zero one (a signal: its negative number), stdout/stderr the ranks' in rank order."""
+    Not through torchrun: its agent imports torch before it starts the ranks, and each rank imports torch and
+    memfit again (~3.5 + 2 x 7 CPU-s on a 2-core machine, more than most distributed tests' work). Here one
+    fresh parent imports ``preload`` once and forks the ranks (before any thread or process group exists),
+    each running ``script`` as ``__main__``. As torchrun does, a rank that fails stops the others (after a 2 s
+    grace for the ones finishing). The exit status is the first non-zero one (a signal: its negative number);
+    stdout and stderr are the ranks' in rank order."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    base = {**os.environ, "OMP_NUM_THREADS": "1", "MEMFIT_TEST_OUT": str(out_dir), "CUDA_VISIBLE_DEVICES": "",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
-            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", **(env or {})}
-    cmd = [sys.executable, str(script), *(args or [])]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MEMFIT_TEST_OUT": str(out_dir), "CUDA_VISIBLE_DEVICES": "",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", **(env or {})}
+    cmd = [sys.executable, "-c", _RANKS_PARENT, str(script), str(nproc), json.dumps(args or []), str(out_dir),
+           json.dumps(preload)]
+    parent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+                              start_new_session=True)
+    try:
+        parent_out, parent_err = parent.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(parent.pid, signal.SIGKILL)  # the parent and every rank
+        parent.communicate()
+        raise
     logs = [(out_dir / f".rank{r}.out", out_dir / f".rank{r}.err") for r in range(nproc)]
-    procs = []
-    for rank, (out, err) in enumerate(logs):
-        with open(out, "w") as o, open(err, "w") as e:
-            rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
-            procs.append(subprocess.Popen(cmd, env=rank_env, stdout=o, stderr=e, stdin=subprocess.DEVNULL))
-    status = _wait_all(procs, timeout, cmd)
-    out = "".join(p.read_text() for p, _ in logs)
-    err = "".join(p.read_text() for _, p in logs)
-    for pair in logs:
-        for path in pair:
-            path.unlink()
-    return subprocess.CompletedProcess(cmd, status, out, err)
+    out = "".join(p.read_text() for p, _ in logs if p.exists())
+    err = "".join(p.read_text() for _, p in logs if p.exists()) + parent_err
+    for path in (p for pair in logs for p in pair if p.exists()):
+        path.unlink()
+    lines = parent_out.splitlines()
+    status = int(lines[-1]) if parent.returncode == 0 and lines else parent.returncode or 1
+    return subprocess.CompletedProcess([str(script), *(args or [])], status, out, err)
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout: float, cmd: list[str]) -> int:
-    """Wait for every rank; once one fails (or ``timeout`` passes) stop the rest. The first non-zero status."""
-    deadline, failed_at, status = time.monotonic() + timeout, None, 0
-    while any(p.poll() is None for p in procs):
-        now = time.monotonic()
-        codes = [p.returncode for p in procs if p.returncode]
-        if codes and failed_at is None:
-            failed_at, status = now, codes[0]
-        if now > deadline or (failed_at is not None and now > failed_at + 2):
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            for p in procs:
-                p.wait()
-            if now > deadline:
-                raise subprocess.TimeoutExpired(cmd, timeout)
-        time.sleep(0.05)
-    return status or next((p.returncode for p in procs if p.returncode), 0)
+# launch()'s parent: import once, fork the ranks, wait; a failed rank stops the rest. Prints the status.
+_RANKS_PARENT = r"""
+import json, os, runpy, signal, sys, time, traceback
+script, nproc, args, out_dir = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
+for module in json.loads(sys.argv[5]):
+    __import__(module)
+sys.path[0] = os.path.dirname(os.path.abspath(script))
+pids = []
+for rank in range(nproc):
+    pid = os.fork()
+    if pid == 0:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
+        for fd, kind in ((1, "out"), (2, "err")):
+            path = os.path.join(out_dir, f".rank{rank}.{kind}")
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        sys.argv, code = [script, *args], 0
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        raise SystemExit(code)  # the interpreter's normal exit (atexit handlers), as a fresh process's
+    pids.append(pid)
+codes, status, failed_at = {}, 0, None
+while len(codes) < nproc:
+    for pid in pids:
+        if pid in codes:
+            continue
+        done, raw = os.waitpid(pid, os.WNOHANG)
+        if done:
+            codes[pid] = os.waitstatus_to_exitcode(raw)
+            if codes[pid] and failed_at is None:
+                status, failed_at = codes[pid], time.monotonic()
+    if failed_at is not None and time.monotonic() > failed_at + 2:
+        for pid in pids:
+            if pid not in codes:
+                os.kill(pid, signal.SIGKILL)
+    time.sleep(0.02)
+print(status)
+"""
 
 
 def write_result(result: Any, name: str | None = None) -> None:

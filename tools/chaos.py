@@ -7,7 +7,7 @@
 Each trial draws (from ``--seed``) a strategy, a moment and an iteration: ``before`` an iteration (inside an
 accumulation window when the iteration is odd), inside a checkpoint ``save`` (its files written, not yet
 published), before the ``pointer`` (``last_checkpoint``) names a complete checkpoint, or inside ``eval``.
-The run (tools/chaos_run.py, under torchrun) is SIGKILLed there, every rank at once; it is resumed with
+The run (tools/chaos_run.py, 1 or 2 ranks) is SIGKILLed there, every rank at once; it is resumed with
 ``resume=True`` until it completes, and then compared with an uninterrupted run of the same strategy: the
 global loss of every iteration any of the runs trained, and the final checkpoint's weights and optimizer
 state. Prints a table; the last line is ``K/N resumes with nothing lost``; exits 1 when K < N.
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import signal
@@ -36,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from chaos_run import ACCUMULATION, ITERS, SAVE_EVERY, STRATEGIES, VAL_EVERY  # noqa: E402
 
-from memfit.dist import free_port  # noqa: E402
+from memfit.testing import DEEPSPEED_PRELOAD, launch  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "chaos_run.py"
 RANKS = {"single": 1}  # every other strategy runs on 2 ranks
@@ -49,12 +48,12 @@ WINDOW_END_SAVES = ("fsdp", "deepspeed_zero2", "deepspeed_zero3")
 
 
 def run(opts: dict, nproc: int, timeout: float = 300) -> subprocess.CompletedProcess:
-    """One run in its own process group (so that a kill takes every rank and torchrun with it)."""
+    """One run in its own process group (so that a kill takes every rank and their parent with it): ranks forked
+    from one parent that imported torch and memfit (``memfit.testing.launch``, torchrun's variables)."""
     Path(opts["log"]).parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-           "--master-addr=127.0.0.1", str(SCRIPT), json.dumps(opts)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, start_new_session=True)
+    preload = DEEPSPEED_PRELOAD if opts["strategy"].startswith("deepspeed") else ("torch", "memfit.runner")
+    return launch(SCRIPT, nproc, [json.dumps(opts)], out_dir=Path(opts["work_dir"]).parent / "launch",
+                  timeout=timeout, preload=preload)
 
 
 def losses(log: Path) -> tuple[dict[int, list[str]], int]:
@@ -134,7 +133,7 @@ def trial(root: Path, strategy: str, moment: str, k: int, amp: bool, ref: dict, 
     start = time.perf_counter()
     proc = run({**base, "kill": f"{moment}:{k}"}, nproc)
     killed = proc.returncode != 0
-    if proc.returncode not in (0, -signal.SIGKILL, 1, 137):  # torchrun reports a killed worker as 1
+    if proc.returncode not in (0, -signal.SIGKILL):
         return dict(error=f"killed run exited {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
     resumed = run({**base, "resume": True, "batch": 4 * nproc}, 1) if reshard else run({**base, "resume": True}, nproc)
     if resumed.returncode != 0 and not completed(work, log):

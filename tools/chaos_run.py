@@ -1,11 +1,12 @@
-"""One training run of tools/chaos.py, started by torchrun on 1 or 2 CPU processes (gloo), and maybe killed.
+"""One training run of tools/chaos.py on 1 or 2 CPU processes (gloo), and maybe killed. tools/chaos.py starts it
+with ``memfit.testing.launch``; torchrun runs it too:
 
     python -m torch.distributed.run --nproc-per-node 2 tools/chaos_run.py '<json options>'
 
 Options: ``work_dir``, ``log`` (rank 0 appends ``iteration float.hex(global loss)`` per iteration and
 ``resumed N`` after a resume), ``strategy`` (a key of STRATEGIES below), ``amp`` (bf16 autocast),
 ``resume``, ``batch`` (per rank, default 4), ``dropout`` (default on) and ``kill``, where to SIGKILL the
-whole run (every rank and torchrun: its process group):
+whole run (every rank and their parent: its process group):
 
 - ``before:K``: once K iterations are done, before the next starts (inside an accumulation window when K
   is not a multiple of the accumulation);

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from memfit.errors import ConfigError  # noqa: E402
-from memfit.testing import launch, read_results  # noqa: E402
+from memfit.testing import DEEPSPEED_PRELOAD, launch, read_results  # noqa: E402
 
 SCRIPTS = Path(__file__).parent / "scripts"
 # Exactness: fp32 and bf16-autocast runs reproduce the reference bit for bit on this machine; ZeRO-0
@@ -31,7 +31,7 @@ CASES = ["0-fp32-none-2", "1-fp32-none-1", "2-fp32-opt-2", "3-fp32-none-1", "3-f
 
 def run(script: str, args: list[str], out: Path, nproc: int = 2, last: str | None = None,
         name: str = "rank") -> list[dict]:
-    proc = launch(SCRIPTS / script, nproc, args, out_dir=out, timeout=420)
+    proc = launch(SCRIPTS / script, nproc, args, out_dir=out, timeout=420, preload=DEEPSPEED_PRELOAD)
     results = read_results(out, nproc, proc, name=name)
     if proc.returncode != 0:
         # Tolerated only when every rank finished its last command (DeepSpeed/gloo teardown abort).

@@ -18,7 +18,7 @@ from pathlib import Path
 import deepspeed  # noqa: F401
 import pytest
 
-from memfit.testing import launch, read_results
+from memfit.testing import DEEPSPEED_PRELOAD, launch, read_results
 
 SCRIPT = Path(__file__).parent / "scripts" / "ds_detection.py"
 LOSS_TOL, PARAM_TOL = 1e-5, 1e-5
@@ -28,7 +28,7 @@ LR, STEPS = 1e-3, 3  # the script's
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("ds_detection")
-    proc = launch(SCRIPT, 2, out_dir=out, timeout=300)
+    proc = launch(SCRIPT, 2, out_dir=out, timeout=300, preload=DEEPSPEED_PRELOAD)
     results = read_results(out, 2, proc)
     if proc.returncode != 0:  # tolerated only when every rank finished (DeepSpeed/gloo teardown abort)
         assert all("world_size" in r for r in results), proc.stderr[-4000:]
