@@ -31,7 +31,7 @@ demo-detection: venv $(SHAPES_COCO)
 
 test: venv
 	$(BIN)/ruff check memfit tests benchmarks
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint: venv
 	$(BIN)/ruff check memfit tests benchmarks

@@ -45,8 +45,8 @@ def launch(script: str | Path, nproc: int = 2, args: list[str] | None = None, *,
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MEMFIT_TEST_OUT": str(out_dir), "CUDA_VISIBLE_DEVICES": "",
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
                 "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", **(env or {})}
-    cmd = [sys.executable, "-c", _RANKS_PARENT, str(script), str(nproc), json.dumps(args or []), str(out_dir),
-           json.dumps(preload)]
+    cmd = [sys.executable, "-c", _RANKS_PARENT, json.dumps(preload), str(script), str(nproc), json.dumps(args or []),
+           str(out_dir)]
     parent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
                               start_new_session=True)
     try:
@@ -65,31 +65,38 @@ def launch(script: str | Path, nproc: int = 2, args: list[str] | None = None, *,
     return subprocess.CompletedProcess([str(script), *(args or [])], status, out, err)
 
 
-# launch()'s parent: import once, fork the ranks, wait; a failed rank stops the rest. Prints the status.
-_RANKS_PARENT = r"""
+# The forking parents' common start: import ``preload`` (argv[1], JSON) once; ``fork_script`` forks a child
+# that runs ``script`` as ``__main__`` with its stdout/stderr in files and exits as a fresh process would.
+_FORK_PREAMBLE = r"""
 import json, os, runpy, signal, sys, time, traceback
-script, nproc, args, out_dir = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
-for module in json.loads(sys.argv[5]):
+for module in json.loads(sys.argv[1]):
     __import__(module)
-sys.path[0] = os.path.dirname(os.path.abspath(script))
-pids = []
-for rank in range(nproc):
+
+
+def fork_script(script, args, out_path, err_path, **environ):
     pid = os.fork()
-    if pid == 0:
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
-        for fd, kind in ((1, "out"), (2, "err")):
-            path = os.path.join(out_dir, f".rank{rank}.{kind}")
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-        sys.argv, code = [script, *args], 0
-        try:
-            runpy.run_path(script, run_name="__main__")
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        raise SystemExit(code)  # the interpreter's normal exit (atexit handlers), as a fresh process's
-    pids.append(pid)
+    if pid:
+        return pid
+    os.environ.update(environ)
+    for fd, path in ((1, out_path), (2, err_path)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    sys.argv, code = [script, *args], 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    raise SystemExit(code)  # the interpreter's normal exit (atexit handlers)
+"""
+
+# launch()'s parent: fork the ranks, wait; a failed rank stops the rest. Prints the status.
+_RANKS_PARENT = _FORK_PREAMBLE + r"""
+script, nproc, args, out_dir = sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5]
+pids = [fork_script(script, args, *(os.path.join(out_dir, f".rank{rank}.{kind}") for kind in ("out", "err")),
+                    RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank)) for rank in range(nproc)]
 codes, status, failed_at = {}, 0, None
 while len(codes) < nproc:
     for pid in pids:
@@ -267,29 +274,13 @@ class SignalAt(Hook):
                 os.kill(os.getpid(), getattr(signals, self.signal))
 
 
-_FORK_PARENT = r"""
-import json, os, runpy, sys, traceback
-script, runs, out_dir = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-for module in json.loads(sys.argv[4]):
-    __import__(module)
-sys.path[0] = os.path.dirname(os.path.abspath(script))
+# run_forked()'s parent: fork the runs one after the other. Prints their statuses and outputs.
+_FORK_PARENT = _FORK_PREAMBLE + r"""
+script, runs, out_dir = sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
 results = []
 for i, args in enumerate(runs):
     paths = [os.path.join(out_dir, f"run{i}.{s}") for s in ("out", "err")]
-    pid = os.fork()
-    if pid == 0:
-        for fd, path in zip((1, 2), paths):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-        sys.argv, code = [script, *args], 0
-        try:
-            runpy.run_path(script, run_name="__main__")
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        raise SystemExit(code)  # the interpreter's normal exit (atexit handlers), as a fresh process's
-    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    code = os.waitstatus_to_exitcode(os.waitpid(fork_script(script, args, *paths), 0)[1])
     results.append([code, *(open(p).read() for p in paths)])
 print(json.dumps(results))
 """
@@ -304,7 +295,7 @@ def run_forked(script: str | Path, runs: list[list[str]], *, out_dir: str | Path
     torch's import once. Returns each run's exit status (``-N`` for signal N), stdout and stderr."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-c", _FORK_PARENT, str(script), json.dumps(runs), str(out_dir), json.dumps(preload)]
+    cmd = [sys.executable, "-c", _FORK_PARENT, json.dumps(preload), str(script), json.dumps(runs), str(out_dir)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
     if proc.returncode != 0:

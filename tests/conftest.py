@@ -44,3 +44,28 @@ def _no_process_group_leaks():
 
     if tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()
+
+
+# The slowest test files (about 15 s or more each on the 2-core AVX2 CPU, most of it launching processes), longest
+# first. `make test` hands whole files to two workers in collection order (--dist loadfile --no-loadscope-reorder):
+# the long files go first, so that the two workers end together instead of one running a long file alone at the end.
+SLOW_FIRST = [
+    "strategies_ds/test_deepspeed.py", "planner/test_accuracy.py", "strategies/test_sharded_resume.py",
+    "planner/test_recompute.py", "resume/test_exact_resume.py", "resume/test_chaos.py",
+    "strategies/test_seeds_distributed.py", "strategies/test_launch.py", "strategies_ds/test_deepspeed_detection.py",
+    "core/test_cli.py", "speed/test_strategies.py", "strategies_ds/test_colossalai.py",
+    "strategies/test_detection_distributed.py", "strategies/test_ddp_fsdp.py", "planner/test_runs.py",
+    "strategies/test_vissl_techniques.py", "checkpoint/test_checkpoint_directory.py", "core/test_architecture.py",
+    "strategies/test_async_save.py", "core/test_runner.py", "hooks/test_preemption.py", "model/test_dino.py",
+    "strategies/test_publish_sharded.py", "hooks/test_invalid_loss.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def key(item):
+        return rank.get(os.path.relpath(str(item.path), here).replace(os.sep, "/"), len(rank))
+
+    items.sort(key=key)  # stable: the other files keep their order, after the slow ones

@@ -19,6 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memfit.measure.target import device_type_of, measured_for
 from memfit.model.detection.dino.attention import MultiScaleDeformableAttention, multi_scale_deformable_attn
 
+# Compiled on a GPU machine (CUDA tensors), interpreted elsewhere (CPU tensors).
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available() else "cpu"
 SHAPES = ((4, 5), (2, 3), (1, 2))
 FLAT = [n for hw in SHAPES for n in hw]
 
@@ -33,7 +35,7 @@ def _inputs(dtype=torch.float32, q=18, heads=2, d=3, points=2, seed=0):
     value = torch.randn(b := 1, s, heads, d, generator=g).to(dtype)
     locations = torch.rand(b, q, heads, len(SHAPES), points, 2, generator=g) * 1.2 - 0.1
     weights = torch.rand(b, q, heads, len(SHAPES), points, generator=g).softmax(-1)
-    return value, locations, weights
+    return value.to(DEVICE), locations.to(DEVICE), weights.to(DEVICE)
 
 
 def _run(impl, inputs, grad_out):
@@ -45,7 +47,7 @@ def _run(impl, inputs, grad_out):
 
 def test_fp32_outputs_and_gradients_equal_grid_samples():
     inputs = _inputs()
-    grad_out = torch.randn(1, 18, 6, generator=torch.Generator().manual_seed(1))
+    grad_out = torch.randn(1, 18, 6, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     kernel, reference = _run("triton", inputs, grad_out), _run("pytorch", inputs, grad_out)
     torch.testing.assert_close(kernel[0], reference[0], rtol=1e-5, atol=1e-5)
     for name, a, b in zip(("value", "locations", "weights"), kernel[1], reference[1]):
@@ -59,7 +61,7 @@ def test_fp32_outputs_and_gradients_equal_grid_samples():
 @pytest.mark.parametrize("dtype,rtol", [(torch.bfloat16, 2**-7), (torch.float16, 2**-10)])
 def test_half_inputs_read_as_they_are_and_accumulate_in_fp32(dtype, rtol):
     inputs = _inputs(dtype, q=5)
-    grad_out = torch.randn(1, 5, 6, generator=torch.Generator().manual_seed(1)).to(dtype)
+    grad_out = torch.randn(1, 5, 6, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     kernel, reference = _run("triton", inputs, grad_out), _run("pytorch", inputs, grad_out)
     assert kernel[0].dtype == dtype and kernel[1][0].dtype == dtype and kernel[1][1].dtype == torch.float32
     torch.testing.assert_close(kernel[0], reference[0], rtol=rtol, atol=rtol)

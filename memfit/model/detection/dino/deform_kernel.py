@@ -45,6 +45,24 @@ def _neighbours(locations, i, valid_q, height, width, ACC: tl.constexpr):
 
 
 @triton.jit
+def _block(Q, HEADS: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's image ``b`` (int64), head, valid queries, channels, valid channels and its queries' rows
+    of ``[B, Q, heads]``."""
+    b = tl.program_id(1) // HEADS
+    head = tl.program_id(1) % HEADS
+    q = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    d = tl.arange(0, BLOCK_D)
+    row = (b * Q + q).to(tl.int64) * HEADS + head
+    return b.to(tl.int64), head, q < Q, d, d < D, row
+
+
+@triton.jit
+def _level(levels, level):
+    """Level ``level``'s height, width and first row of ``value`` (``levels``: int32 ``[L, 3]``)."""
+    return tl.load(levels + 3 * level), tl.load(levels + 3 * level + 1), tl.load(levels + 3 * level + 2)
+
+
+@triton.jit
 def msda_forward(value, levels, locations, weights, out, Q, S, HEADS: tl.constexpr, D: tl.constexpr,
                  L: tl.constexpr, P: tl.constexpr, ACC: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr):
     """``out[b, q, head]`` = sum over levels and points of weight * bilinear sample of ``value``.
@@ -53,19 +71,11 @@ def msda_forward(value, levels, locations, weights, out, Q, S, HEADS: tl.constex
     ``[B, Q, heads, L, P, 2]`` (x, y), ``weights`` ``[B, Q, heads, L, P]``, ``out`` ``[B, Q, heads, D]``.
     Grid: ``(cdiv(Q, BLOCK_Q), B * heads)``.
     """
-    b = tl.program_id(1) // HEADS
-    head = tl.program_id(1) % HEADS
-    q = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    valid_q = q < Q
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < D
-    row = (b * Q + q).to(tl.int64) * HEADS + head  # the query's row of [B, Q, heads]
-    value_base = value + b.to(tl.int64) * S * HEADS * D + head * D
+    b, head, valid_q, d, d_mask, row = _block(Q, HEADS, D, BLOCK_Q, BLOCK_D)
+    value_base = value + b * S * HEADS * D + head * D
     acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=ACC)
     for level in tl.static_range(L):
-        height = tl.load(levels + 3 * level)
-        width = tl.load(levels + 3 * level + 1)
-        start = tl.load(levels + 3 * level + 2)
+        height, width, start = _level(levels, level)
         for point in tl.static_range(P):
             i = (row * L + level) * P + point
             weight = tl.load(weights + i, mask=valid_q, other=0.0).to(ACC)
@@ -100,22 +110,14 @@ def msda_backward(value, levels, locations, weights, grad_out, grad_value, grad_
                   BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr):
     """The gradients of :func:`msda_forward`: ``grad_value`` (``ACC``, zeroed by the caller) by atomic adds,
     ``grad_locations`` and ``grad_weights`` written once per point. Same grid and layouts as the forward."""
-    b = tl.program_id(1) // HEADS
-    head = tl.program_id(1) % HEADS
-    q = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    valid_q = q < Q
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < D
-    row = (b * Q + q).to(tl.int64) * HEADS + head
-    base = b.to(tl.int64) * S * HEADS * D + head * D
+    b, head, valid_q, d, d_mask, row = _block(Q, HEADS, D, BLOCK_Q, BLOCK_D)
+    base = b * S * HEADS * D + head * D
     value_base = value + base
     grad_value_base = grad_value + base
     grad = tl.load(grad_out + row[:, None] * D + d[None, :], mask=valid_q[:, None] & d_mask[None, :],
                    other=0.0).to(ACC)
     for level in tl.static_range(L):
-        height = tl.load(levels + 3 * level)
-        width = tl.load(levels + 3 * level + 1)
-        start = tl.load(levels + 3 * level + 2)
+        height, width, start = _level(levels, level)
         for point in tl.static_range(P):
             i = (row * L + level) * P + point
             weight = tl.load(weights + i, mask=valid_q, other=0.0).to(ACC)
