@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import os
 import runpy
 import tempfile
 import time
@@ -227,25 +226,11 @@ def row_cfg(rid: int, data: Path, tiny: bool) -> tuple[dict, str]:
 def build(run_cfg: dict, device: str) -> tuple[torch.nn.Module, Any, torch.device]:
     """The model and optimizer wrapper, set up as measure_plan (and the runner) sets them up, on ``device``."""
     from memfit import dist
-    from memfit.connector import setup
-    from memfit.optim.builder import scale_lr_cfg
-    from memfit.planner.space import technique_cfg
-    from memfit.precision import precision_options
-    from memfit.registry import MODELS
-    from memfit.strategies import build_strategy
+    from memfit.planner.bench import build_for_training
 
-    torch.manual_seed(0)
-    strategy = build_strategy(run_cfg.get("strategy") or None, int(os.environ.get("WORLD_SIZE", "1")))
-    env = run_cfg.get("env_cfg") or {}
     pick = {"cpu": lambda: torch.device("cpu")}.get(device, dist.default_device)  # the CPU on a GPU machine too
     with mock.patch.object(dist, "default_device", pick):
-        strategy.setup_env(dist.resolve_launcher(None), {"cudnn_benchmark": bool(env.get("cudnn_benchmark"))})
-    model = MODELS.build(run_cfg["model"], key="model")
-    optim_cfg = scale_lr_cfg(run_cfg["optim_wrapper"], run_cfg.get("auto_scale_lr"),
-                             lambda: run_cfg["train_dataloader"]["batch_size"])
-    model, wrapper = setup(model, strategy, optim_cfg, technique_cfg(run_cfg),
-                           precision=precision_options(run_cfg.get("precision")))
-    model.train()
+        model, wrapper, strategy = build_for_training(run_cfg)
     return model, wrapper, strategy.device
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from memfit.measure import MemoryTracker, optimizer_state_tensors
 from memfit.planner.inputs import Inputs
@@ -62,7 +63,9 @@ def measure_plan(cfg: dict, plan: Plan, facts: ModelFacts, steps: int = 3, batch
         return _measure_plan(cfg, plan, facts, steps, batch)
 
 
-def _measure_plan(cfg: dict, plan: Plan, facts: ModelFacts, steps: int, batch: Any) -> Measured:
+def build_for_training(run_cfg: dict) -> tuple[nn.Module, Any, Any]:
+    """``run_cfg``'s model (seed 0) and optimizer wrapper, set up as the runner sets them up, on the device its
+    strategy picks (this process's GPU, else the CPU), in train mode; with the strategy."""
     from memfit import dist
     from memfit.connector import setup
     from memfit.optim.builder import scale_lr_cfg
@@ -70,20 +73,24 @@ def _measure_plan(cfg: dict, plan: Plan, facts: ModelFacts, steps: int, batch: A
     from memfit.registry import MODELS
     from memfit.strategies import build_strategy
 
-    run_cfg = plan.apply(cfg, facts)
     torch.manual_seed(0)
     strategy = build_strategy(run_cfg.get("strategy") or None, int(os.environ.get("WORLD_SIZE", "1")))  # as the runner
     env = run_cfg.get("env_cfg") or {}
     strategy.setup_env(dist.resolve_launcher(None), {"cudnn_benchmark": bool(env.get("cudnn_benchmark"))})
     model = MODELS.build(run_cfg["model"], key="model")
-    techniques = technique_cfg(run_cfg)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     optim_cfg = scale_lr_cfg(run_cfg["optim_wrapper"], run_cfg.get("auto_scale_lr"),
                              lambda: run_cfg["train_dataloader"]["batch_size"] * world)
     compiled = {"compile": run_cfg["compile"]} if run_cfg.get("compile") else {}  # as the runner compiles
-    model, wrapper = setup(model, strategy, optim_cfg, techniques,
+    model, wrapper = setup(model, strategy, optim_cfg, technique_cfg(run_cfg),
                            precision=precision_options(run_cfg.get("precision")), **compiled)
     model.train()
+    return model, wrapper, strategy
+
+
+def _measure_plan(cfg: dict, plan: Plan, facts: ModelFacts, steps: int, batch: Any) -> Measured:
+    run_cfg = plan.apply(cfg, facts)
+    model, wrapper, strategy = build_for_training(run_cfg)
     batch = batch if batch is not None else Inputs(run_cfg).batch()
     k = plan.accumulative_counts
     device = strategy.device
