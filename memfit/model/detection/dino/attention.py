@@ -15,6 +15,7 @@ MMCV's CUDA kernel's, which holds no samples at all (see ``_SampleAndWeigh``).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 import math
@@ -32,13 +33,18 @@ from memfit.model.detection.dino.fp32 import fp32_island
 IMPLEMENTATIONS = ("auto", "triton", "pytorch")
 
 
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def deformable_implementation(value: Tensor, impl: str = "auto") -> str:
     """``'triton'`` for a computation on CUDA (or planned for CUDA) with Triton installed, else ``'pytorch'``;
     an explicit ``impl`` is kept."""
     if impl != "auto":
         return impl
     cuda = device_type_of(value) == "cuda"
-    return "triton" if cuda and importlib.util.find_spec("triton") is not None else "pytorch"
+    return "triton" if cuda and _triton_installed() else "pytorch"
 
 
 def multi_scale_deformable_attn(value: Tensor, spatial_shapes: list[tuple[int, int]], sampling_locations: Tensor,

@@ -33,15 +33,19 @@ def _corner(value_base, hi, wi, height, width, start, valid_q, d, d_mask, HEADS:
 
 
 @triton.jit
-def _neighbours(locations, i, valid_q, height, width, ACC: tl.constexpr):
-    """A point's top-left neighbour ``(h0, w0)`` and its fractional offsets ``(lh, lw)`` from it."""
+def _point(locations, weights, i, valid_q, height, width, ACC: tl.constexpr):
+    """Point ``i``'s weight, its top-left neighbour ``(h0, w0)``, its fractional offsets ``(lh, lw)`` from it and
+    their complements ``(hh, hw)``."""
+    weight = tl.load(weights + i, mask=valid_q, other=0.0).to(ACC)
     x = tl.load(locations + 2 * i, mask=valid_q, other=0.0).to(ACC)
     y = tl.load(locations + 2 * i + 1, mask=valid_q, other=0.0).to(ACC)
     h_im = y * height.to(ACC) - 0.5
     w_im = x * width.to(ACC) - 0.5
     h0 = tl.floor(h_im)
     w0 = tl.floor(w_im)
-    return h0.to(tl.int32), w0.to(tl.int32), h_im - h0, w_im - w0
+    lh = h_im - h0
+    lw = w_im - w0
+    return weight, h0.to(tl.int32), w0.to(tl.int32), lh, lw, 1.0 - lh, 1.0 - lw
 
 
 @triton.jit
@@ -78,10 +82,7 @@ def msda_forward(value, levels, locations, weights, out, Q, S, HEADS: tl.constex
         height, width, start = _level(levels, level)
         for point in tl.static_range(P):
             i = (row * L + level) * P + point
-            weight = tl.load(weights + i, mask=valid_q, other=0.0).to(ACC)
-            h0, w0, lh, lw = _neighbours(locations, i, valid_q, height, width, ACC)
-            hh = 1.0 - lh
-            hw = 1.0 - lw
+            weight, h0, w0, lh, lw, hh, hw = _point(locations, weights, i, valid_q, height, width, ACC)
             v, _, _ = _corner(value_base, h0, w0, height, width, start, valid_q, d, d_mask, HEADS, D, ACC)
             sample = (hh * hw)[:, None] * v
             v, _, _ = _corner(value_base, h0, w0 + 1, height, width, start, valid_q, d, d_mask, HEADS, D, ACC)
@@ -120,10 +121,7 @@ def msda_backward(value, levels, locations, weights, grad_out, grad_value, grad_
         height, width, start = _level(levels, level)
         for point in tl.static_range(P):
             i = (row * L + level) * P + point
-            weight = tl.load(weights + i, mask=valid_q, other=0.0).to(ACC)
-            h0, w0, lh, lw = _neighbours(locations, i, valid_q, height, width, ACC)
-            hh = 1.0 - lh
-            hw = 1.0 - lw
+            weight, h0, w0, lh, lw, hh, hw = _point(locations, weights, i, valid_q, height, width, ACC)
             # Each neighbour: its bilinear weight and that weight's derivatives by lw and lh.
             g = _corner_backward(value_base, grad_value_base, h0, w0, height, width, start, valid_q, d, d_mask,
                                  grad, weight * hh * hw, HEADS, D, ACC)
