@@ -19,6 +19,7 @@ per rank).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import shutil
@@ -35,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from chaos_run import ACCUMULATION, ITERS, SAVE_EVERY, STRATEGIES, VAL_EVERY  # noqa: E402
 
+from memfit.strategies import capabilities_of  # noqa: E402
 from memfit.testing import DEEPSPEED_PRELOAD, launch  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "chaos_run.py"
@@ -43,8 +45,6 @@ RESHARDABLE = ("ddp", "zero1", "fsdp")  # their checkpoints load at another worl
 # Resumed at another world size the same samples are summed in another order: float32 rounding, no more.
 RESHARD_TOLERANCE = 1e-5
 MOMENTS = ("before", "save", "pointer", "eval")
-# Strategies that keep an accumulation window's partial gradients in their own buffers (Capabilities)
-WINDOW_END_SAVES = ("fsdp", "deepspeed_zero2", "deepspeed_zero3")
 
 
 def run(opts: dict, nproc: int, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -160,6 +160,13 @@ def reference(root: Path, strategy: str, amp: bool, dropout: bool = True) -> dic
     return dict(losses={i: v[0] for i, v in seen.items()}, state=final_state(work))
 
 
+@functools.cache
+def saves_at_window_end(strategy: str) -> bool:
+    """The strategy keeps an accumulation window's partial gradients in its own buffers (its capabilities), so
+    its checkpoint due inside a window is written at the window's end."""
+    return not capabilities_of(STRATEGIES[strategy], 2).partial_gradients
+
+
 def draw(rng: random.Random, strategies: list[str], n: int) -> list[tuple[str, str, int]]:
     """``n`` trials, strategies in turn, each a moment and an iteration where that moment exists."""
     out = []
@@ -170,7 +177,7 @@ def draw(rng: random.Random, strategies: list[str], n: int) -> list[tuple[str, s
         k = rng.choice(saves) if moment in ("save", "pointer") else rng.choice(evals) if moment == "eval" \
             else rng.randrange(1, ITERS)
         strategy = strategies[i % len(strategies)]
-        if moment in ("save", "pointer") and strategy in WINDOW_END_SAVES:
+        if moment in ("save", "pointer") and saves_at_window_end(strategy):
             k += k % ACCUMULATION  # its checkpoint due inside a window is written at the window's end
         out.append((strategy, moment, k))
     return out
