@@ -4,6 +4,7 @@ device memory per plan, and step-time ratios.
 Two halves, so the GPU is held only while it measures:
 
     python benchmarks/gpu_calibration.py measure --out DIR      # on the GPU: one process per case
+    python benchmarks/gpu_calibration.py measure --trace --only 18,19 --out DIR  # + TRACED cases' allocator traces
     python benchmarks/gpu_calibration.py compare [DIR/measured.json] [--composed] [--out PATH_WITHOUT_SUFFIX]
 
 ``measure`` runs each case in a fresh process (so the caching allocator starts empty, as a training
@@ -36,6 +37,12 @@ MIB = 2**20
 SWIN_L = ROOT / "configs" / "swin_l_shapes.py"
 VIT = ROOT / "configs" / "vit_shapes.py"
 FCOS = ROOT / "configs" / "detection" / "fcos_r18_shapes-coco.py"
+_TIMM_224 = ["model.img_size=224", "model.patch_size=16", "model.class_token=True", "model.global_pool=token",
+             "train_dataloader.dataset.image_size=224"]
+VIT_L = ["model.model_name=vit_large_patch16_224", "model.embed_dim=1024", "model.depth=24", "model.num_heads=16",
+         "train_dataloader.batch_size=64", *_TIMM_224]
+DEIT_B = ["model.model_name=deit_base_patch16_224", "model.embed_dim=768", "model.depth=12", "model.num_heads=12",
+          "train_dataloader.batch_size=64", *_TIMM_224]
 # (name, config, --cfg-options, plan words or 'configured'; 'dino:N' configs are the seed table's row N)
 CASES: list[tuple[str, str, list[str], str]] = [
     ("swin-l fp32", str(SWIN_L), [], "fp32 mb32x1"),
@@ -51,7 +58,15 @@ CASES: list[tuple[str, str, list[str], str]] = [
     ("fcos-r18 fp32 (demo)", str(FCOS), [], "configured"),
     ("fcos-r18 bf16", str(FCOS), [], "bf16 mb8x1"),
     *[(f"dino swin-l row {i}", f"dino:{i}", [], "configured") for i in (1, 2, 3, 4, 5, 6)],
+    # ViT-L/16 at 224 px, batch 64: the composed rows of a 16 GiB budget, each measured as it would train.
+    *[(f"vit-l {words}", str(VIT), VIT_L, words) for words in (
+        "fp32 mb64x1", "bf16 mb64x1", "bf16 ac:blocks mb64x1", "bf16 ac:every2 mb64x1", "bf16 ac:first2 mb64x1",
+        "bf16 ac:selective mb64x1", "bf16 mb32x2", "bf16 ac:blocks mb32x2")],
+    ("swin-b bf16 fsdp (one rank)", str(SWIN_L), ["model.model_name=swin_base_patch4_window7_224"], "bf16 fsdp mb32x1"),
+    ("deit-b bf16 offload:optimizer", str(VIT), DEIT_B, "bf16 offload:optimizer mb64x1"),
 ]
+# The cases whose allocator trace ``measure --trace`` records (two steps from an empty allocator).
+TRACED = ("vit-l bf16 mb64x1", "vit-l bf16 ac:blocks mb64x1", "vit-l bf16 ac:every2 mb64x1")
 
 
 def _config(spec: str, options: list[str], data: Path) -> dict:
@@ -113,6 +128,53 @@ def measure_one(index: int) -> dict:
             "breakdown": m.breakdown, "torch": torch.__version__}
 
 
+def trace_one(index: int, out: Path) -> dict:
+    """Record the caching allocator's trace of case ``index`` from an empty allocator: the model built, two
+    optimizer steps (the second on the segments the first left). Written to ``out/trace_<index>.json.gz``
+    (rows: action, addr, size, stream; benchmarks/allocator_trace_format.py) with the peaks and the segment
+    boundaries of each step."""
+    import gzip
+
+    import torch
+    from allocator_recording import start_recording, stop_recording
+    from allocator_trace_format import compact_trace, device_trace
+
+    from memfit.planner.bench import build_for_training
+    from memfit.planner.inputs import Inputs
+
+    name, spec, options, words = CASES[index]
+    torch.zeros(1, device="cuda")
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = _config(spec, options, _data(tmp))
+        plan, facts = _plan(cfg, words, cuda=True)
+        run_cfg = plan.apply(cfg, facts)
+        batch = Inputs(run_cfg).batch()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        how = start_recording(2_000_000)
+        model, wrapper, _ = build_for_training(run_cfg)
+        k = plan.accumulative_counts
+        wrapper.initialize_count_status(model, 0, 2 * k)
+        marks = []
+        for _ in range(2):
+            for _ in range(k):
+                model.train_step(batch, optim_wrapper=wrapper)
+            torch.cuda.synchronize()
+            marks.append({"trace_len": len(device_trace(torch.cuda.memory._snapshot(), 0)),
+                          "allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+                          "max_allocated": torch.cuda.max_memory_allocated(),
+                          "max_reserved": torch.cuda.max_memory_reserved()})
+        rows, extras, counts = compact_trace(device_trace(torch.cuda.memory._snapshot(), 0))
+        stop_recording()
+    rec = {"case": name, "plan": plan.name, "recording": how, "torch": torch.__version__, "cuda": torch.version.cuda,
+           "gpu": torch.cuda.get_device_name(), "steps": marks, "trace": rows, "trace_extras": extras,
+           "trace_actions": counts}
+    out.mkdir(parents=True, exist_ok=True)
+    with gzip.open(out / f"trace_{index}.json.gz", "wt") as f:
+        json.dump(rec, f)
+    return {"case": name, "rows": len(rows), "steps": marks}
+
+
 def workspaces() -> dict:
     """Bytes the first call of each kernel family leaves allocated beyond its output (cuBLAS/cuBLASLt
     workspaces, cuDNN's), each in a fresh allocator state of this process, in call order."""
@@ -150,8 +212,16 @@ def workspaces() -> dict:
     return out
 
 
-def measure(out: Path, only: list[int] | None) -> None:
+def measure(out: Path, only: list[int] | None, trace: bool = False) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    if trace:
+        for i, case in enumerate(CASES):
+            if case[0] in TRACED and (not only or i in only):
+                proc = subprocess.run([sys.executable, __file__, "trace", str(i), "--out", str(out)],
+                                      capture_output=True, text=True, timeout=240,
+                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                print(proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 and proc.stdout.strip() else
+                      f"{case[0]}: trace FAILED rc={proc.returncode}\n{proc.stderr[-3000:]}", flush=True)
     results = []
     for i, case in enumerate(CASES):
         if only and i not in only:
@@ -244,6 +314,10 @@ def main() -> None:
     m = sub.add_parser("measure", help="on a GPU: measure every case")
     m.add_argument("--out", default="benchmarks/results/gpu_calibration_measured")
     m.add_argument("--only", default="", help="case indices, e.g. 0,3")
+    m.add_argument("--trace", action="store_true", help="also record the allocator traces of the TRACED cases")
+    t = sub.add_parser("trace")
+    t.add_argument("index", type=int)
+    t.add_argument("--out", default="benchmarks/results/gpu_calibration_measured")
     sub.add_parser("workspaces", help="on a GPU: what each kernel family's first call keeps allocated")
     one = sub.add_parser("one")
     one.add_argument("index", type=int)
@@ -262,8 +336,15 @@ def main() -> None:
         logging.getLogger("memfit").setLevel(logging.ERROR)
         warnings.simplefilter("ignore")
         print(json.dumps(measure_one(args.index)))
+    elif args.cmd == "trace":
+        import logging
+        import warnings
+
+        logging.getLogger("memfit").setLevel(logging.ERROR)
+        warnings.simplefilter("ignore")
+        print(json.dumps(trace_one(args.index, Path(args.out))))
     elif args.cmd == "measure":
-        measure(Path(args.out), [int(i) for i in args.only.split(",") if i])
+        measure(Path(args.out), [int(i) for i in args.only.split(",") if i], args.trace)
     else:
         compare(Path(args.measured), Path(args.out), args.composed)
 
