@@ -23,6 +23,11 @@ The speed levers (:mod:`memfit.planner.levers`) on CUDA: an fp32 plan's convolut
 ``cudnn_benchmark`` scale the convolutions' seconds; ``compile`` scales FLOP seconds, memory-bound bytes
 and launches; a fused optimizer makes one pass over its tensors where foreach makes several. The factors
 are :data:`LEVER_FACTORS`, one table.
+
+A target's step-time profile (:mod:`memfit.planner.time_profile`, measured by ``memfit bench --calibrate``)
+replaces the constants where it has a factor: the efficiency by precision for matmul-like and for convolution
+FLOPs (channels_last's measured in place of its lever), the memory-bound bandwidth, the cost per operator, the
+host bandwidth and the optimizer's passes and per-operator cost. Without one the constants above apply.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from dataclasses import dataclass
 from memfit.planner.devices import Device
 from memfit.planner.fake import StepMeasurement
 from memfit.planner.space import Plan
+from memfit.planner.time_profile import Profile, profile_for
 
 HOST_STEP_BYTES_PER_S = 20e9  # an optimizer step on the host CPU (either offload) touches state at ~20 GB/s
 
@@ -73,9 +79,10 @@ LEVER_FACTORS: dict[str, dict[str, float]] = {
 }
 
 
-def lever_factor(device: Device, key: str) -> float:
-    """A speed lever's factor on ``device`` (:data:`LEVER_FACTORS`)."""
-    return LEVER_FACTORS.get(device.family, {}).get(key, LEVER_FACTORS["default"][key])
+def lever_factor(device: Device, key: str, profile: Profile | None = None) -> float:
+    """A speed lever's factor on ``device``: its profile's, else :data:`LEVER_FACTORS`'."""
+    table = LEVER_FACTORS.get(device.family, {}).get(key, LEVER_FACTORS["default"][key])
+    return (profile or profile_for(device)[0]).number(key, table)
 
 
 @dataclass(frozen=True)
@@ -92,8 +99,9 @@ def step_seconds(plan: Plan, micro: StepMeasurement, shard: StepMeasurement, sta
     """Modelled seconds of one optimizer step of ``plan``: ``micro`` is its forward/backward measurement
     (FLOPs, ops), ``shard`` the full step of its sharding (collective bytes over ``shard_counts``
     micro-steps), ``state`` its per-rank model state."""
+    profile = profile_for(device)[0]
     k = plan.accumulative_counts
-    compute = k * micro_step_seconds(plan, micro, device)
+    compute = k * micro_step_seconds(plan, micro, device, profile)
     ring = (world_size - 1) / world_size if world_size > 1 else 0.0
     gathers = shard.comm.get("gather", 0) / max(shard_counts, 1) * k
     traffic = ring * (gathers + shard.comm.get("reduce", 0) + shard.comm.get("broadcast", 0))
@@ -103,50 +111,73 @@ def step_seconds(plan: Plan, micro: StepMeasurement, shard: StepMeasurement, sta
     offload = 0.0
     moved = state.params + state.grads + 2 * state.optimizer
     # A host step runs at least the operators the device's step ran (torch's CPU default is a loop per tensor).
-    host_launches = shard.step_ops * device.launch_us * 1e-6 if device.cuda else 0.0
+    launch_us = profile.number("launch_us", device.launch_us)
+    host_launches = shard.step_ops * launch_us * 1e-6 if device.cuda else 0.0
+    host_bw = device.host_bw * profile.number("host_bw", 1.0)
     if plan.offload == "params":
         passes = 2 if plan.sharding == "fsdp" else 1  # re-gathered in backward unless kept (zero2)
-        offload = (k * passes * state.params + state.grads) / (device.host_bw * 1e9)
+        offload = (k * passes * state.params + state.grads) / (host_bw * 1e9)
         optimizer = moved / HOST_STEP_BYTES_PER_S + host_launches
     elif plan.offload == "optimizer":
-        offload = (2 * state.params + state.grads) / (device.host_bw * 1e9)
+        offload = (2 * state.params + state.grads) / (host_bw * 1e9)
         optimizer = moved / HOST_STEP_BYTES_PER_S + host_launches
     elif device.cuda:
-        optimizer = optimizer_seconds(plan, state, device, shard.step_ops)
+        optimizer = optimizer_seconds(plan, state, device, shard.step_ops, profile)
     else:
         optimizer = moved / (device.mem_bw * 1e9)
     return max(compute, comm) + offload + optimizer
 
 
-def micro_step_seconds(plan: Plan, micro: StepMeasurement, device: Device) -> float:
+def micro_step_seconds(plan: Plan, micro: StepMeasurement, device: Device, profile: Profile | None = None) -> float:
     """Modelled seconds of one forward/backward of ``plan`` (``micro``'s FLOPs, bytes written and operators)
-    with its speed levers (the module docstring)."""
+    with its speed levers (the module docstring), timed by ``profile`` (default: the device's)."""
+    profile = profile or profile_for(device)[0]
     fp32 = device.dtype_tflops("fp32")
     if plan.precision == "fp32":
         tf32 = device.dtype_tflops("tf32") if device.cuda else None
-        matmul_tf32 = tf32 * lever_factor(device, "tf32_matmul_rate") if tf32 and plan.tf32 else None
-        conv_rate, rate = tf32 or fp32, matmul_tf32 or fp32
+        conv_rate, rate, dtype = tf32 or fp32, fp32, "fp32"
+        if tf32 and plan.tf32:  # a measured TF32 efficiency takes the place of the lever's rate
+            rate, dtype = (tf32 if profile.has("matmul", "tf32") else tf32 * lever_factor(device, "tf32_matmul_rate",
+                                                                                           profile)), "tf32"
     else:
         conv_rate = rate = device.dtype_tflops(plan.precision) or fp32
-    conv = micro.conv_flops / (conv_rate * 1e12 * device.efficiency)
-    other = (micro.flops - micro.conv_flops) / (rate * 1e12 * device.efficiency)
-    written = 2 * micro.written / (device.mem_bw * 1e9)
-    launches = micro.ops * device.launch_us * 1e-6
+        dtype = plan.precision if device.dtype_tflops(plan.precision) else "fp32"
+    conv_dtype = "fp32" if dtype == "tf32" else dtype
+    layout = "conv_channels_last" if device.cuda and plan.channels_last and profile.has("conv_channels_last",
+                                                                                        conv_dtype) else "conv"
+    conv = micro.conv_flops / (conv_rate * 1e12 * profile.efficiency(layout, conv_dtype, device.efficiency))
+    other = (micro.flops - micro.conv_flops) / (rate * 1e12 * profile.efficiency("matmul", dtype, device.efficiency))
+    written = 2 * micro.written / (device.mem_bw * 1e9 * profile.number("memory_bound", 1.0))
+    launches = micro.ops * profile.number("launch_us", device.launch_us) * 1e-6
     if device.cuda:
-        for lever in ("channels_last", "cudnn_benchmark"):
-            if getattr(plan, lever):
-                conv *= lever_factor(device, lever)
+        if plan.channels_last and layout == "conv":
+            conv *= lever_factor(device, "channels_last", profile)
+        if plan.cudnn_benchmark:
+            conv *= lever_factor(device, "cudnn_benchmark", profile)
         if plan.compile:
-            conv, other = conv * lever_factor(device, "compile_flops"), other * lever_factor(device, "compile_flops")
-            written *= lever_factor(device, "compile_written")
-            launches *= lever_factor(device, "compile_ops")
+            flops = lever_factor(device, "compile_flops", profile)
+            conv, other = conv * flops, other * flops
+            written *= lever_factor(device, "compile_written", profile)
+            launches *= lever_factor(device, "compile_ops", profile)
     return conv + other + written + launches
 
 
-def optimizer_seconds(plan: Plan, state: ModelState, device: Device, ops: int = 0) -> float:
+def optimizer_pass_seconds(state: ModelState, device: Device) -> float:
+    """Seconds of one pass over the optimizer's tensors at the table's memory bandwidth: parameters, gradients
+    and state read, parameters and state written."""
+    return (2 * state.params + state.grads + 2 * state.optimizer) / (device.mem_bw * 1e9)
+
+
+def optimizer_seconds(plan: Plan, state: ModelState, device: Device, ops: int = 0,
+                      profile: Profile | None = None) -> float:
     """Modelled seconds of an optimizer step of ``ops`` operators (as the fake step ran it) on a CUDA device: a
-    fused step is one pass (parameters, gradients and state read, parameters and state written), foreach
-    several; each operator launches."""
-    one_pass = (2 * state.params + state.grads + 2 * state.optimizer) / (device.mem_bw * 1e9)
-    passes = 1.0 if plan.fused_optimizer else lever_factor(device, "optimizer_foreach_passes")
-    return one_pass * passes + ops * device.launch_us * 1e-6
+    fused step is one pass (:func:`optimizer_pass_seconds`), foreach several; each operator launches."""
+    profile = profile or profile_for(device)[0]
+    launch_us = profile.number("launch_us", device.launch_us)
+    if plan.fused_optimizer:
+        passes = profile.number("optimizer_fused_passes", 1.0)
+        op_us = profile.number("optimizer_fused_op_us", launch_us)
+    else:
+        passes = lever_factor(device, "optimizer_foreach_passes", profile)
+        op_us = profile.number("optimizer_foreach_op_us", launch_us)
+    return optimizer_pass_seconds(state, device) * passes + ops * op_us * 1e-6

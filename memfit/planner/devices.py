@@ -146,8 +146,20 @@ def custom_gpu(memory: int, like: str = "4090") -> Device:
 def current_cuda() -> Device:
     """The GPU this process sees: its name matched in the table (else an H100's speeds), its memory."""
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    base = next((d for n, d in GPUS.items() if n.split("-")[0] in props.name), GPUS["H100"])
-    return replace(base, name=props.name, memory=props.total_memory)
+    return replace(table_entry(props.name), name=props.name, memory=props.total_memory)
+
+
+def table_entry(cuda_name: str) -> Device:
+    """The table's GPU for the name CUDA reports ('NVIDIA A100-SXM4-80GB' -> A100-80, 'NVIDIA L40S' -> L40S),
+    else the H100: of the entries whose model appears in the name, the one with most of its name's parts."""
+    def parts(name: str) -> list[str]:
+        return name.replace("-", " ").split()
+
+    words = parts(cuda_name.replace("GB", " "))
+    found = [d for n, d in GPUS.items() if parts(n)[0] in words]
+    if not found:
+        return GPUS["H100"]
+    return max(found, key=lambda d: (sum(p in words for p in parts(d.name)), -len(parts(d.name))))
 
 
 def this_cpu(seconds: float = 0.05) -> Device:

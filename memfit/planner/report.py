@@ -10,6 +10,7 @@ from typing import Any
 
 from memfit.planner.devices import GiB, MiB
 from memfit.planner.results import Prediction
+from memfit.planner.time_profile import describe
 
 
 def size(n: float) -> str:
@@ -38,8 +39,12 @@ def plan_table(pred: Prediction, limit: int | None = None) -> str:
 
 
 def footer(pred: Prediction) -> str:
-    """The speed levers the plans were given (and why the others are off), and what ``(eager)`` means."""
+    """The speed levers the plans were given (and why the others are off), the step-time profile when it is not
+    the target's own (:func:`memfit.planner.time_profile.describe`), and what ``(eager)`` means."""
     lines = [pred.levers.describe()] if pred.levers is not None else []
+    profile = describe(pred.device)
+    if profile:
+        lines.append(profile)
     if any(r.plan.compile for r in pred.results):
         lines.append(f"{EAGER_MARK.strip()}: a compiled plan's memory is its eager plan's (torch.compile's graphs "
                      "are not predicted; docs/planner.md)")
