@@ -113,8 +113,12 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from memfit.planner.commands import bench_command
+    from memfit.planner.commands import bench_command, calibrate_command
 
+    if args.calibrate:
+        return calibrate_command(args)
+    if not args.config:
+        raise ConfigError("bench needs a CONFIG (or --calibrate, which measures this GPU's step-time profile)")
     return bench_command(args, _planner_cfg(args))
 
 
@@ -192,8 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print memfit's and torch's versions and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def common(p: argparse.ArgumentParser, writes: str) -> None:
-        p.add_argument("config", help="config file (.py or .yaml)")
+    def common(p: argparse.ArgumentParser, writes: str, optional_config: str = "") -> None:
+        p.add_argument("config", help="config file (.py or .yaml)" + (f"; optional {optional_config}" if
+                       optional_config else ""), **({"nargs": "?"} if optional_config else {}))
         p.add_argument("--work-dir", help=f"{writes} (default: work_dirs/<config name>)")
         p.add_argument("--cfg-options", nargs="+", metavar="KEY=VALUE",
                        help="override config keys, e.g. optim_wrapper.accumulative_counts=4")
@@ -249,13 +254,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_plan)
 
     b = sub.add_parser("bench", help="measure plans on this device beside the planner's predictions")
-    common(b, "where bench writes its table and chart, bench.csv and bench.png, unless --out names another path")
+    common(b, "where bench writes its table and chart, bench.csv and bench.png, unless --out names another path",
+           optional_config="with --calibrate")
     target(b)
     b.add_argument("--plans", metavar="NAME,...", help="plans by name, e.g. 'fp32,bf16 ac:blocks,fp32 mb8x4' "
                    "(default: the configured plan and each technique alone)")
     b.add_argument("--steps", type=int, default=3, metavar="K", help="timed steps per plan, median (default 3)")
     b.add_argument("--json", metavar="PATH", help="write the table as JSON")
-    b.add_argument("--out", metavar="PATH", help="CSV/PNG path without suffix (default: WORK_DIR/bench)")
+    b.add_argument("--out", metavar="PATH", help="CSV/PNG path without suffix (default: WORK_DIR/bench); with "
+                   "--calibrate the profile's JSON file (default: WORK_DIR/calibration.json)")
+    b.add_argument("--calibrate", action="store_true", help="measure this GPU's speeds (matmul, convolution, "
+                   "attention, memory-bound, per-operator, copy, optimizer; under a minute) as a step-time profile "
+                   "for the planner, printed beside the profile in use and written to --out; no CONFIG")
     b.set_defaults(func=_bench, nodes=1)
 
     e = sub.add_parser("eval", help="evaluate a checkpoint on the config's test (or val) data")

@@ -199,3 +199,55 @@ def _bench_png(rows: list[dict], path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def calibrate_command(args: Any) -> int:
+    """``memfit bench --calibrate``: measure this GPU (``--device cpu``: this CPU, for testing), print the factors
+    beside the profile the planner uses for it now, write the profile's JSON to ``--out`` and say how to
+    install it."""
+    import json
+
+    import torch
+
+    from memfit.planner.calibration import calibrate, constants
+    from memfit.planner.devices import current_cuda
+    from memfit.planner.time_profile import PROFILE_DIR, Profile, profile_for
+
+    if args.config:
+        raise ConfigError(f"--calibrate measures this machine's device and takes no CONFIG (got {args.config})")
+    if args.gpu or args.gpu_mem or args.plans:
+        raise ConfigError("--calibrate measures this machine's device: leave out --gpu, --gpu-mem and --plans")
+    if args.device != "cpu" and not torch.cuda.is_available():
+        raise ConfigError("--calibrate: no CUDA GPU here; run it on the GPU to profile (--device cpu measures this "
+                          "CPU, for testing)")
+    where = "cpu" if args.device == "cpu" else "cuda"
+    log = (lambda msg: print(f"calibrating: {msg}", file=sys.stderr)) if sys.stderr.isatty() else None
+    data = calibrate(where, log=log)
+    measured = Profile.from_json(data)
+    target = this_cpu() if where == "cpu" else current_cuda()
+    current, exact = profile_for(target)
+    shown = "constants" if not current.factors else f"{current.name} profile" + ("" if exact else ", nearest")
+    now = {**constants(target), **{k: v for k, v in current.factors.items() if v is not None}}
+    print(f"step-time factors of {data['gpu']} (torch {data['torch']}, {data['seconds']} s)")
+    print(f"| factor | measured | now ({shown}) |")
+    print("|---|---|---|")
+    for key, value in measured.factors.items():
+        for name, v in (value.items() if isinstance(value, dict) else [(None, value)]):
+            before = now.get(key, {}).get(name) if name else now.get(key)
+            print(f"| {key}{' ' + name if name else ''} | {_num(v)} | {_num(before)} |")
+    out = Path(args.out or Path(args.work_dir or "work_dirs") / "calibration.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {out}")
+    if where == "cuda":
+        print(f"to time {data['name']} GPUs with it (and, as the nearest, GPUs without a profile of their own): "
+              f"cp {out} {PROFILE_DIR / (data['name'].lower() + '.json')}")
+    else:
+        print("a CPU profile is for testing: CPU targets measure their own speeds when planned for")
+    return 0
+
+
+def _num(v: Any) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
