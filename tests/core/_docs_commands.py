@@ -28,6 +28,7 @@ KINDS = {
     "multi-process": ("parse", "--gpus/torchrun/Slurm start several processes, on GPUs"),
     "plan": ("parse", "every plan, or a large config: 10 s to a minute of fake steps"),
     "bench": ("parse", "measures several plans: minutes"),
+    "calibrate": ("parse", "measures this machine's GPU (CUDA only), under a minute; takes no config"),
     "eval": ("parse", "needs a checkpoint trained from that config"),
     "synopsis": ("parse", "a usage line ([optional] parts): each --flag must be an option of the subcommand"),
     "make": ("exists", "make demo and make test take minutes: the target and its variables exist in the Makefile"),
@@ -105,6 +106,8 @@ def _kind(words: list[str], argv: list[str] | None) -> str | None:
         return "plan-as-is"
     if command == "data":
         return "data"
+    if command == "bench" and "--calibrate" in argv:
+        return "calibrate"
     return command if command in KINDS else "unknown"
 
 
