@@ -129,4 +129,4 @@ def describe(device: Device, profiles: tuple[Profile, ...] | None = None) -> str
     profile, exact = profile_for(device, profiles)
     if exact or profile is DEFAULT:
         return None
-    return f"time model: {profile.name} profile (nearest to {device.name}; measure it with memfit bench --calibrate)"
+    return f"time model: {profile.name} profile (nearest to {device.name}, which has none of its own)"
