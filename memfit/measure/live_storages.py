@@ -56,6 +56,8 @@ class LiveStorages(TorchDispatchMode):
         self.metadata_only = 0  # > 0 while DTensor computes an output's shape on stand-in tensors
         self.observer: Callable[[Any, Any, Any, Any], None] | None = None  # sees every counted operator
         self.allocator: CachingAllocatorModel | None = None  # replays every allocation and free
+        # The streams the allocator is told of: torch.cpu's default one is 0, the others 1, 2, ... as first used.
+        self._streams: dict[Any, int] = {torch.cpu.current_stream(): 0}
         # Told of every allocation and free, in order (the planner's recorded timeline, memfit.planner.timeline).
         self.timeline: Any = None
         self.stand_ins: set[int] = set()  # ids of storages that are not the step's memory (the timeline's)
@@ -77,7 +79,7 @@ class LiveStorages(TorchDispatchMode):
                 entry[1] = n
                 if self.allocator is not None:  # another block (FSDP2 resizes between 0 and full size)
                     self.allocator.free(key)
-                    self.allocator.malloc(key, n)
+                    self.allocator.malloc(key, n, self.stream())
                 if self.timeline is not None:
                     self.timeline.free(key)
                     self.timeline.alloc(key, n, False)
@@ -91,7 +93,7 @@ class LiveStorages(TorchDispatchMode):
             self.host_peak = max(self.host_peak, self.host)
             return
         if self.allocator is not None:
-            self.allocator.malloc(key, n)
+            self.allocator.malloc(key, n, self.stream())
         if self.timeline is not None:
             self.timeline.alloc(key, n, retroactive)
         self.current[category] += n
@@ -99,6 +101,12 @@ class LiveStorages(TorchDispatchMode):
         if retroactive:  # alive since before entry: every earlier moment, the peak included, held it
             self.peak += n
             self.peak_breakdown[category] += n
+
+    def stream(self) -> int:
+        """The stream an allocation made now is on, as the simulated allocator keys it. On CPU, FSDP2's
+        ``device_handle.stream(s)`` blocks (its reduce-scatter output, its all-gather buffers at N > 1) select
+        torch.cpu's stand-in streams as they select CUDA's on a GPU, so the current one is CUDA's."""
+        return self._streams.setdefault(torch.cpu.current_stream(), len(self._streams))
 
     def relabel(self, st: torch.UntypedStorage, category: str, only_from: frozenset[str] | None = None,
                 retroactive: bool = False) -> None:

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from memfit.measure import CATEGORIES, MB, MemoryTracker
+from memfit.measure import CATEGORIES, MB, CachingAllocatorModel, MemoryTracker
 
 
 def mlp() -> nn.Module:
@@ -157,6 +157,19 @@ def test_counts_views_once_and_frees() -> None:
         del b, c
     assert t.peak_bytes == 6000
     assert t.breakdown["activations"] == 6000
+
+
+def test_the_allocator_is_told_each_allocations_stream() -> None:
+    """On CPU, FSDP2's ``device_handle.stream(s)`` blocks select torch.cpu's stand-in streams: what is made inside
+    one goes on a stream of its own in the simulated allocator, whose freed block the default stream cannot use."""
+    allocator = CachingAllocatorModel()
+    with MemoryTracker(allocator=allocator):
+        with torch.cpu.stream(torch.cpu.Stream()):
+            side = torch.empty(2**20)  # 4 MiB: a 20 MiB segment of stream 1
+        del side
+        main = torch.empty(2**20)  # on the default stream: another segment
+        del main
+    assert [(size // MB, stream) for _, size, stream in allocator.segments] == [(20, 1), (20, 0)]
 
 
 def test_inputs_alive_before_entry_count_from_the_start() -> None:
