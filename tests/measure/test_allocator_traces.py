@@ -156,10 +156,11 @@ def test_with_its_own_addresses_the_model_stays_near_torch(name):
 
 
 def test_one_pool_for_every_stream_misses_what_fsdps_streams_reserve():
-    """FSDP2's all-gathers and reduce-scatters run on a stream of their own (and the prefetcher's copies on
-    another); blocks freed there are not reused by the default stream. With a pool per stream the model
-    reserves what torch did (the test above); replayed as one stream it reuses them and reserves 122 MiB (7%)
-    less than torch: six 20 MiB segments and one 2 MiB segment fewer."""
+    """FSDP2 allocates each reduce-scatter's output on its reduce-scatter stream (at one rank it all-gathers
+    nothing), the prefetcher its batch copies on another; blocks freed there are not reused by the default
+    stream. With a pool per stream the model reserves what torch did (the test above); replayed as one stream it
+    reuses them and reserves 122 MiB (7%) less than torch: six 20 MiB segments and one 2 MiB segment fewer. The
+    planner's fake step puts the same requests on a stream of their own: tests/planner/test_fsdp_streams.py."""
     case = _case("vit_s16_fsdp")
     assert len({s for _, _, _, s in case["trace"]}) == 3
     merged = replay(case["initial"], case["trace"], placed=False, one_stream=True)
