@@ -21,7 +21,6 @@ from memfit.measure import CachingAllocatorModel
 from memfit.planner.fake import fake_process_group, measure_step
 from tests.measure.test_allocator_traces import _case
 
-MiB = 2**20
 BATCH = {"img": torch.zeros(32, 3, 224, 224), "label": torch.zeros(32, dtype=torch.long)}
 
 
