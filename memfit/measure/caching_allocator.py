@@ -22,7 +22,7 @@ given cudaMalloc's segment addresses, every block lands where torch put it; see 
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 MIN_BLOCK = 512
 SMALL_SIZE = 2**20  # largest request served from the small pool
@@ -74,6 +74,9 @@ class CachingAllocatorModel:
         self._next_addr = 0
         self._placed: int | None = None  # the address of the next segment, where given
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
+        # Bytes requested by the live blocks (before rounding) and their peak: what the program itself holds.
+        self.requested = self.peak_requested = 0
+        self._sizes: dict[Hashable, int] = {}
 
     def _pool(self, stream: Hashable, small: bool) -> list[tuple[int, int, _Block]]:
         return self._pools.setdefault((stream, small), [])
@@ -164,6 +167,9 @@ class CachingAllocatorModel:
         self._used[key] = block
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self._sizes[key] = nbytes
+        self.requested += nbytes
+        self.peak_requested = max(self.peak_requested, self.requested)
 
     def free(self, key: Hashable) -> None:
         """Free ``key``'s block (ignored if it holds none); for a block under ``record_stream``, call it when
@@ -173,6 +179,7 @@ class CachingAllocatorModel:
             return
         self.trace.append((key, None))
         self.allocated -= block.size
+        self.requested -= self._sizes.pop(key, 0)
         self._insert_free(block)
 
     def _insert_free(self, block: _Block) -> _Block:
@@ -196,6 +203,41 @@ class CachingAllocatorModel:
                     other.next.prev = block
         insort(pool, (block.size, block.addr, block))
         return block
+
+    @classmethod
+    def rerun(cls, trace: Sequence[tuple[Hashable, int | None]], streams: dict[int, Hashable] | None = None
+              ) -> CachingAllocatorModel:
+        """A model that ran another's ``trace`` (``streams``: its requests' streams where not 0, by index)."""
+        model = cls()
+        streams = streams or {}
+        for i, (key, nbytes) in enumerate(trace):
+            if nbytes is None:
+                model.free(key)
+            else:
+                model.malloc(key, nbytes, streams.get(i, 0))
+        return model
+
+    def calls(self) -> tuple[list[tuple[Hashable, int | None]], dict[int, Hashable]]:
+        """``(trace, streams)``, what :meth:`rerun` takes (copies)."""
+        return list(self.trace), dict(self._trace_streams)
+
+    def held_since(self, start: int) -> list[Hashable]:
+        """The keys allocated since ``trace[start]`` that still hold a block."""
+        return list(dict.fromkeys(key for key, n in self.trace[start:] if n is not None and key in self._used))
+
+    def finish_steps(self, start: int, epilogue: Sequence[tuple[int, int | None]], made: Iterable[Hashable]) -> None:
+        """The calls since ``trace[start]`` were a forward/backward: end its training step with an optimizer
+        step's calls (``epilogue``: ``(i, nbytes)`` and ``(i, None)``, its state kept), free what the step made and
+        still holds (``made``: the gradients, which ``zero_grad`` frees), then run the step again as the next
+        would (:meth:`replay`): a real run's second step on the segments the first left."""
+        for i, nbytes in epilogue:
+            if nbytes is None:
+                self.free(("optimizer", i))
+            else:
+                self.malloc(("optimizer", i), nbytes)
+        for key in made:
+            self.free(key)
+        self.replay(start)
 
     def replay(self, start: int) -> None:
         """Run ``trace[start:]`` (one training step) again, as the next step would: the same requests in the

@@ -84,6 +84,14 @@ class StepMeasurement:
     host_peak: int = 0  # host memory an offloaded optimizer held (not in ``peak``)
     conv_flops: int = 0
     step_ops: int = 0  # operators of one optimizer step (foreach: a few per list; fused: one per list)
+    # A one-step full run on a CUDA target: the simulated allocator's calls of its optimizer step and after
+    # (:func:`optimizer_epilogue`), which a composed row's allocator replay runs between its two steps.
+    epilogue: list[tuple[int, int | None]] | None = None
+    # A composed run: the bytes its allocator replay requested at their peak (rounding is allocated less these).
+    cuda_requested: int = 0
+    # A forward/backward run on a CUDA target: where its step began in the simulated allocator's calls, and
+    # the calls (CachingAllocatorModel.calls), for a replay of two steps (memfit.planner.predict).
+    allocator_calls: tuple[int, tuple] | None = None
 
 
 @contextlib.contextmanager
@@ -172,11 +180,13 @@ class _Phases:
     """Splits a tracker's peak into the forward/backward phase and the optimizer phase of the last
     optimizer step, through the global optimizer step hooks."""
 
-    def __init__(self, tracker: MemoryTracker) -> None:
+    def __init__(self, tracker: MemoryTracker, allocator: CachingAllocatorModel | None = None) -> None:
         self.tracker = tracker
+        self.allocator = allocator
         self.fb = Phase()
         self.opt = Phase()
         self.depth = 0  # ZeRO-1's step calls the inner optimizer's: only the outermost step is a phase
+        self.opt_mark = 0  # the allocator's calls before the last optimizer step
         self._handles = [register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post)]
 
     def _snapshot(self) -> Phase:
@@ -190,6 +200,7 @@ class _Phases:
         if self.depth > 1:
             return
         self.fb = self._snapshot()
+        self.opt_mark = len(self.allocator.trace) if self.allocator is not None else 0
         self.overall = max(getattr(self, "overall", Phase()), self.fb, key=lambda p: p.peak)
         self.reset()
 
@@ -320,6 +331,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
         wrapper.initialize_count_status(model, 0, micro_steps if full else 2)
         counter = _OpCounter()
         allocator = CachingAllocatorModel() if cuda else None
+        epilogue = None
         recorder = None
         if record is not None and not full:
             modules = dict(model.named_modules())
@@ -330,7 +342,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
             if allocator is not None:  # allocated before the step's first kernels: workspaces, DDP's buckets
                 for i, n in enumerate(CUBLAS_BLOCKS + _chunks(buckets, DDP_BUCKET)):
                     allocator.malloc(("before the step", i), n)
-            phases = _Phases(tracker)
+            phases = _Phases(tracker, allocator)
             first = len(allocator.trace) if allocator is not None else 0
             if recorder is not None:
                 recorder.mode = tracker.live_storages
@@ -350,12 +362,15 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
             fb.breakdown["optimizer_state"] = fb.breakdown.get("optimizer_state", 0) + state
             overall = max(overall, fb, key=lambda p: p.peak)
             if allocator is not None:  # the second step's requests, on the first's segments and beside its state
+                epilogue = optimizer_epilogue(allocator.trace[phases.opt_mark:])
                 allocator.replay(first)
     for phase in {id(p): p for p in (overall, phases.fb, phases.opt)}.values():  # overall is one of them
         phase.peak += buckets
         phase.breakdown["communication"] = phase.breakdown.get("communication", 0) + buckets
     flops_per_micro = counter.flops // (counts if full else 1)
-    return StepMeasurement(peak=overall.peak, breakdown=overall.breakdown,
+    calls = (first, allocator.calls()) if allocator is not None and not full and record is None else None
+    return StepMeasurement(epilogue=epilogue, allocator_calls=calls,
+                           peak=overall.peak, breakdown=overall.breakdown,
                            forward_backward=phases.fb if full else overall, optimizer=phases.opt,
                            flops=flops_per_micro, ops=counter.ops // (counts if full else 1),
                            conv_flops=counter.conv_flops // (counts if full else 1), step_ops=counter.step_ops,
@@ -365,6 +380,21 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
                            cuda_reserved=allocator.peak_reserved if allocator else 0,
                            timeline=recorder.timeline if recorder is not None else None,
                            host_peak=tracker.host_peak_bytes)
+
+
+def optimizer_epilogue(calls: list[tuple[Any, int | None]]) -> list[tuple[int, int | None]]:
+    """An optimizer step's allocator calls (``(key, nbytes)``, ``nbytes`` None for a free) keyed afresh by
+    allocation: ``(i, nbytes)`` and ``(i, None)``. Frees of blocks made before the step (the gradients,
+    ``zero_grad``) are left out: a replay frees what its own step left instead."""
+    local: dict[Any, int] = {}
+    out: list[tuple[int, int | None]] = []
+    for n, (key, nbytes) in enumerate(calls):
+        if nbytes is not None:
+            local[key] = n
+            out.append((n, nbytes))
+        elif key in local:
+            out.append((local.pop(key), None))
+    return out
 
 
 def _chunks(total: int, size: int) -> tuple[int, ...]:

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from memfit.errors import ConfigError
+from memfit.measure import CachingAllocatorModel
 from memfit.planner.devices import Device
 from memfit.planner.fake import Phase, StepMeasurement, build_meta_model
 from memfit.planner.inputs import Inputs
@@ -229,8 +230,7 @@ class _Composer:
         if not composes:
             return self.runs.run(("act", _half(plan), choice, plan.efficient_conv_bn_eval, plan.channels_last, mb),
                                  act, full=False, single=True)
-        recorded = self.runs.run(("record", _half(plan), plan.efficient_conv_bn_eval, plan.channels_last, mb), act,
-                                 full=False, single=True, record=self.record)
+        recorded = self._recorded(plan, mb, act)
         if recorded.timeline is None:  # a placeholder, while the runs are being collected
             return recorded
         key = (_half(plan), choice, plan.efficient_conv_bn_eval, plan.channels_last, mb)
@@ -241,17 +241,69 @@ class _Composer:
             raise out
         return out
 
-    def _compose(self, recorded: StepMeasurement, choice: str) -> StepMeasurement | StepFailed:
+    def _recorded(self, plan: Plan, mb: int, act: Plan | None = None) -> StepMeasurement:
+        """The recorded forward/backward without checkpointing of ``plan``'s precision and Conv-BN choice at
+        micro-batch ``mb`` (``act``: the plan it runs, needed the first time it is asked for)."""
+        return self.runs.run(("record", _half(plan), plan.efficient_conv_bn_eval, plan.channels_last, mb), act,
+                             full=False, single=True, record=self.record)
+
+    def _compose(self, recorded: StepMeasurement, choice: str,
+                 epilogue: list[tuple[int, int | None]] | None = None) -> StepMeasurement | StepFailed:
         names = self.regions[choice] if choice in self.regions else \
             checkpointed_modules(self.runs.meta, self.runs.facts, choice)  # firstN: no copy of the model
         try:
-            k = compose(recorded.timeline, names, selective=choice == "selective")
+            k = compose(recorded.timeline, names, selective=choice == "selective", epilogue=epilogue)
         except CachedTensorMutated as exc:  # the plan cannot train: left out with the reason, as a failed run
             return StepFailed(f"RuntimeError: {exc}")
         # Recomputation repeats the convolutions in the share the whole forward/backward has them.
         conv = int(k.flops * recorded.conv_flops / recorded.flops) if recorded.flops else 0
         return StepMeasurement(k.peak, {}, Phase(k.peak, {}), Phase(), flops=k.flops, ops=k.ops, written=k.written,
-                               cuda_allocated=k.cuda_allocated, cuda_reserved=k.cuda_reserved, conv_flops=conv)
+                               cuda_allocated=k.cuda_allocated, cuda_reserved=k.cuda_reserved, conv_flops=conv,
+                               cuda_requested=k.cuda_requested)
+
+    def _allocator_run(self, plan: Plan, mb: int, shard: StepMeasurement) -> StepMeasurement:
+        """Whose simulated allocator gives ``plan``'s rounding and slack at micro-batch ``mb``: its forward/backward
+        (composed, or its run's own calls) twice, with its sharding's optimizer step between and after (the
+        segments a second step finds; an offloaded optimizer's state and step allocate nothing on the device).
+        FSDP and ZeRO-2 allocate their buffers around the activations, on streams of their own, which a
+        single-device forward/backward cannot show: their rows add what their sharding's step held beyond the
+        same two steps of the reference activations (measured at the reference activations, as the optimizer
+        phase is)."""
+        act = self._act(plan, mb)
+        if shard.epilogue is None or not self.device.cuda:
+            return act
+        epilogue = [] if plan.offload != "none" else shard.epilogue
+        out = self._two_steps(plan, mb, epilogue, ("offload" if plan.offload != "none" else "", id(shard)))
+        if out is None:
+            return act
+        if plan.sharding in ("fsdp", "zero2"):
+            ref = self._two_steps(self._ref(plan), self.ref.micro_batch, epilogue, ("", id(shard)))
+            extra = (shard.cuda_reserved - shard.cuda_allocated) - (ref.cuda_reserved - ref.cuda_allocated) if ref \
+                else 0
+            out = replace(out, cuda_reserved=out.cuda_reserved + max(0, extra))
+        return out
+
+    def _two_steps(self, plan: Plan, mb: int, epilogue: list, key: tuple) -> StepMeasurement | None:
+        """The simulated allocator's figures of two training steps of ``plan``'s activations at micro-batch
+        ``mb`` with ``epilogue`` (see :meth:`_allocator_run`); None where no allocator calls were kept."""
+        act = self._act(plan, mb)
+        if not self._composes(plan.activation_checkpointing):  # the run's own allocator calls
+            if act.allocator_calls is None:
+                return None
+            first, (trace, streams) = act.allocator_calls
+            allocator = CachingAllocatorModel.rerun(trace, streams)
+            allocator.finish_steps(first, epilogue, allocator.held_since(first))
+            return replace(act, cuda_allocated=allocator.peak_allocated, cuda_reserved=allocator.peak_reserved,
+                           cuda_requested=allocator.peak_requested)
+        recorded = self._recorded(plan, mb)  # _act asked for it
+        if recorded.timeline is None:
+            return None
+        full_key = ("two steps", _half(plan), plan.activation_checkpointing, plan.efficient_conv_bn_eval,
+                    plan.channels_last, mb, *key)
+        if full_key not in self.composed:
+            self.composed[full_key] = self._compose(recorded, plan.activation_checkpointing, epilogue)
+        out = self.composed[full_key]
+        return None if isinstance(out, StepFailed) else out
 
     def configured_fb(self, configured: Plan) -> StepMeasurement:
         """The configured plan's forward/backward (its compute): composed when its checkpointing is, else run."""
@@ -283,7 +335,7 @@ class _Composer:
         peak, flops, written, conv = self._line(plan, plan.micro_batch)
         micro = replace(self._act(plan, ref.micro_batch), flops=flops, written=written, conv_flops=conv)
         # The allocator's slack grows with the activations: a smaller micro-batch takes the smaller run's.
-        allocator_run = self._act(plan, self.half) if self.half and plan.micro_batch <= self.half else micro
+        slack_mb = self.half if self.half and plan.micro_batch <= self.half else ref.micro_batch
         results = []
         for mb, k in anchors:
             # Optimizer offload is its sharding's step with the optimizer's memory on the host (plan_result).
@@ -298,7 +350,7 @@ class _Composer:
                 fb_grads = self.grad_bytes - shard.forward_backward.breakdown.get("gradients", 0)
             results.append(plan_result(plan, shard, micro, self.device, self.world, k,
                                    fb_delta=peak - self._line(ref, mb)[0], fb_grads=fb_grads,
-                                   allocator_run=allocator_run))
+                                   allocator_run=self._allocator_run(plan, slack_mb, shard)))
         return replace(max(results, key=lambda r: r.peak_bytes), seconds=results[0].seconds)
 
 

@@ -42,6 +42,7 @@ class Composed:
     written: int
     cuda_allocated: int = 0
     cuda_reserved: int = 0
+    cuda_requested: int = 0  # with an epilogue: the bytes the two steps requested at their peak
 
 
 class CachedTensorMutated(RuntimeError):
@@ -49,13 +50,19 @@ class CachedTensorMutated(RuntimeError):
     backward, with this message."""
 
 
-def compose(tl: Timeline, regions: Iterable[str], selective: bool = False) -> Composed:
+def compose(tl: Timeline, regions: Iterable[str], selective: bool = False,
+            epilogue: list[tuple[int, int | None]] | None = None) -> Composed:
     """The recorded step with the calls of the modules named in ``regions`` checkpointed (a call inside
     another checkpointed one is not checkpointed again, as memfit's install never wraps twice).
 
     ``selective``: torch's selective checkpointing with memfit's policy (the outputs of the GEMM and attention
     operators are kept from forward and not recomputed: ``DEFAULT_SAVE_OPS``); raises
-    :class:`CachedTensorMutated` where that step would fail."""
+    :class:`CachedTensorMutated` where that step would fail.
+
+    ``epilogue``: an optimizer step's allocator calls (:func:`memfit.planner.fake.optimizer_epilogue`); with it
+    the simulated allocator runs two training steps, as a real run's second step finds the segments: the
+    composed forward/backward, the optimizer step (its state kept, the step's leftovers freed as
+    ``zero_grad`` frees the gradients), then both again on those segments."""
     names = set(regions)
     ix = tl.index
     chosen = {c for c, name in enumerate(tl.calls) if name in names}
@@ -89,7 +96,7 @@ def compose(tl: Timeline, regions: Iterable[str], selective: bool = False) -> Co
         at = free.get(uid, end)
         if at < end:
             items.append((*at, False, uid, 0, False))
-    return _replay(tl, items, flops, ops, written)
+    return _replay(tl, items, flops, ops, written, epilogue)
 
 
 def _recompute(tl: Timeline, c: int, frame: int, selective: bool, items: list[tuple],
@@ -154,10 +161,12 @@ def _recompute(tl: Timeline, c: int, frame: int, selective: bool, items: list[tu
     return flops, ops, written
 
 
-def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int) -> Composed:
+def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int,
+            epilogue: list[tuple[int, int | None]] | None = None) -> Composed:
     """The tracker's accounting over the composed allocations and frees: the peak is taken after each
     allocation (after each operator's outputs, as the tracker does); a retroactive one (alive before the
-    step, first seen now) raises the peak too."""
+    step, first seen now) raises the peak too. The simulated allocator runs them, and with ``epilogue`` two
+    steps (:func:`compose`)."""
     items.sort(key=lambda it: it[:3])
     allocator = None
     if tl.prefix is not None:
@@ -168,6 +177,7 @@ def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int
             else:
                 allocator.malloc(key, n)
     total = peak = tl.start
+    first = len(allocator.trace) if allocator is not None else 0
     sizes: dict[Any, int] = {}
     for _, _, _, is_alloc, key, n, retro in items:
         if is_alloc:
@@ -182,5 +192,10 @@ def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int
             total -= sizes.pop(key)
             if allocator is not None:
                 allocator.free(("step", key))
-    return Composed(peak, flops, ops, written, allocator.peak_allocated if allocator else 0,
-                    allocator.peak_reserved if allocator else 0)
+    if allocator is None:
+        return Composed(peak, flops, ops, written)
+    requested = 0
+    if epilogue is not None:
+        allocator.finish_steps(first, epilogue, allocator.held_since(first))
+        requested = allocator.peak_requested
+    return Composed(peak, flops, ops, written, allocator.peak_allocated, allocator.peak_reserved, requested)

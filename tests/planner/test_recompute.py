@@ -23,6 +23,7 @@ from memfit.testing import shapes_detection_batch
 
 DINO = Path(__file__).parents[1] / "fixtures" / "detection" / "dino_tiny.py"
 SLACK = 1024  # bytes: autocast's casts may free a few hundred bytes in another order in the recomputation
+SMALL_SEGMENT = 2 * 2**20  # the caching allocator's segment for small blocks
 
 
 def _cfg(model, image: int = 32, batch: int = 2, precision: str = "fp32") -> dict:
@@ -134,7 +135,10 @@ def test_the_planner_composes_what_it_used_to_run(tiny_config, tmp_path, monkeyp
     assert set(run) == set(composed)
     for name, r in run.items():
         c = composed[name]
-        assert abs(c.peak_bytes - r.peak_bytes) <= SLACK and abs(c.allocated - r.allocated) <= SLACK, name
+        assert abs(c.allocated - r.allocated) <= SLACK, name
+        # Reserved comes from two simulated steps of each (composed from the timeline, or the run's own calls):
+        # retroactive inputs enter the allocator at another point, and small blocks may tie otherwise.
+        assert abs(c.peak_bytes - r.peak_bytes) <= SMALL_SEGMENT, name
         assert c.rel_step_time == pytest.approx(r.rel_step_time, rel=0.03), name
 
 
