@@ -82,8 +82,9 @@ def build_for_training(run_cfg: dict) -> tuple[nn.Module, Any, Any]:
     optim_cfg = scale_lr_cfg(run_cfg["optim_wrapper"], run_cfg.get("auto_scale_lr"),
                              lambda: run_cfg["train_dataloader"]["batch_size"] * world)
     compiled = {"compile": run_cfg["compile"]} if run_cfg.get("compile") else {}  # as the runner compiles
-    model, wrapper = setup(model, strategy, optim_cfg, technique_cfg(run_cfg),
-                           precision=precision_options(run_cfg.get("precision")), **compiled)
+    techniques = technique_cfg(run_cfg)
+    model, wrapper = setup(model, strategy, optim_cfg, techniques, optimizer_offload=bool(techniques.get(
+        "optimizer_offload")), precision=precision_options(run_cfg.get("precision")), **compiled)
     model.train()
     return model, wrapper, strategy
 

@@ -21,3 +21,17 @@ def test_fp16_warm_up_runs_until_the_scaler_stops_skipping(tiny_config, tmp_path
     n = sum(p.numel() for p in build_meta_model(cfg["model"]).parameters())
     assert m.breakdown["optimizer_state"] == pytest.approx(4 * n, rel=0.01)  # SGD's fp32 momentum buffers
     assert torch.isfinite(torch.tensor(m.seconds))
+
+
+def test_an_optimizer_offload_plan_is_measured_offloaded(tiny_config, tmp_path):
+    """bench and the GPU calibration set a plan up as the runner does: its optimizer offload too (the state on the
+    host), not only its model techniques."""
+    from memfit.optim.offload import OffloadedOptimizer
+    from memfit.planner.bench import build_for_training
+    from memfit.planner.commands import parse_plan
+
+    cfg = Config.fromfile(str(tiny_config(tmp_path))).to_dict()
+    facts = ModelFacts.of(build_meta_model(cfg["model"]))
+    plan = parse_plan("fp32 offload:optimizer", configured_plan(cfg, facts, cuda=False))
+    _, wrapper, _ = build_for_training(plan.apply(cfg, facts))
+    assert isinstance(wrapper.optimizer, OffloadedOptimizer)
