@@ -38,7 +38,10 @@ def leaves(shapes: list[tuple[int, int]], queries: int, heads: int, d: int, seed
 
 
 def run(impl: str, inputs: list[torch.Tensor], shapes: list, dtype: torch.dtype, grad: torch.Tensor) -> list:
-    xs = [t.detach().to(dtype).requires_grad_() for t in inputs]
+    """Output and gradients with the value in ``dtype``; locations and weights stay fp32 (fp64 for fp64), as
+    DINO passes them (a bf16 location is a pixel off at 336 wide)."""
+    keep = torch.float64 if dtype == torch.float64 else torch.float32
+    xs = [t.detach().to(dtype if i == 0 else keep).requires_grad_() for i, t in enumerate(inputs)]
     out = multi_scale_deformable_attn(xs[0], shapes, xs[1], xs[2], impl=impl)
     return [out.detach(), *torch.autograd.grad(out, xs, grad.to(out.dtype))]
 

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -263,9 +264,14 @@ def compare(measured_path: Path, out: Path, composed: bool) -> None:
             plan, facts = _plan(cfg, words, cuda=True)
             try:
                 if composed:
-                    if spec not in every_plan:
-                        every_plan[spec] = predict(cfg, device=gpu, world_size=1, verify=False).results
-                    r = next((r for r in every_plan[spec] if r.plan == plan), None)
+                    key = (spec, tuple(options))
+                    if key not in every_plan:  # every plan of the config, the measured ones among them as they ran
+                        words_of = [c[3] for c in CASES if (c[1], tuple(c[2])) == key and c[3] != "configured"
+                                    and any(x["case"] == c[0] for x in measured)]
+                        also = [_plan(cfg, w, cuda=True)[0] for w in words_of]
+                        every_plan[key] = predict(cfg, device=gpu, world_size=1, verify=False, also=also).results
+                    r = next((r for r in every_plan[key] if replace(r.plan, configured=False) ==
+                              replace(plan, configured=False)), None)
                     if r is None:
                         print(f"{name}: {plan.name} is not among the planner's plans", flush=True)
                         continue

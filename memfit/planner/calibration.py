@@ -60,6 +60,8 @@ class _Bench:
     def __init__(self, device: str, quick: bool) -> None:
         self.device, self.quick = torch.device(device), quick
         self.cuda = self.device.type == "cuda"
+        if self.cuda and self.device.index is None:  # set_device and the properties need an index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.repeats, self.warmup = (3, 1) if quick else (7, 2)
 
     def sync(self) -> None:
