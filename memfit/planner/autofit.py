@@ -70,7 +70,7 @@ def apply_auto_fit(cfg: dict, value: Any = True) -> tuple[dict, str]:
     pred = predict(cfg, device=device, world_size=world, budget=budget, compile=bool(options.get("compile")))
     if pred.recommended is None:
         closest = min(pred.results, key=lambda r: r.peak_bytes)
-        within = ", within the 5% margin" if closest.peak_bytes <= budget else ""
+        within = ", within the budget but not its margin" if closest.peak_bytes <= budget else ""
         raise ConfigError(f"auto_fit: no plan fits {size(budget)} per rank on {world} x {device.name}; the "
                           f"smallest is '{closest.plan.name}' at {size(closest.peak_bytes)}{within}: raise the "
                           "budget, add GPUs (auto_fit.gpus) or lower the batch size")

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.planner.cost import ModelState, lever_factor, optimizer_pass_seconds
+from memfit.planner.cost import SELECTIVE_OP_US, ModelState, lever_factor, optimizer_pass_seconds
 from memfit.planner.devices import Device, current_cuda, table_entry, this_cpu
 from memfit.planner.time_profile import DEFAULT, FORMAT
 
@@ -204,6 +204,40 @@ def host_copies(b: _Bench) -> dict[str, float] | None:
             "d2h": round(bytes_ / b.seconds(lambda: host.copy_(dev, non_blocking=True)) / 1e9, 2)}
 
 
+def selective(b: _Bench, launch_us: float) -> dict[str, float]:
+    """Selective checkpointing's host cost per operator its recomputation runs, beyond the operators' own launches
+    (``launch_us``): eight small blocks checkpointed with memfit's policy against the same blocks without
+    checkpointing, forward and backward, at a size where the host's time is the step's."""
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    from memfit.memory.checkpointing import selective_context_fn
+
+    width = 64
+    blocks = [nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width), nn.LayerNorm(width)).to(
+        b.device) for _ in range(8)]
+    x = b.randn(16, width, grad=True)
+    context = selective_context_fn()
+
+    def step(selective: bool) -> Callable[[], None]:
+        def run() -> None:
+            y = x
+            for block in blocks:
+                y = checkpoint(block, y, use_reentrant=False, context_fn=context) if selective else block(y)
+            y.sum().backward()
+        return run
+
+    ops = {}
+    for kind in (False, True):
+        with _Counter() as counter:
+            step(kind)()
+        ops[kind] = counter.ops
+    plain, sel = b.seconds(step(False)), b.seconds(step(True))
+    recomputed = max(ops[True] - ops[False], 1)
+    per_op = max(0.0, (sel - plain) / recomputed * 1e6 - launch_us)
+    return {"plain_s": _r(plain), "selective_s": _r(sel), "recomputed_ops": recomputed, "op_us": _r(per_op)}
+
+
 # ViT-B/16's parameter tensors (numel), 152 of them, 86.6M: patch embedding, class token, position embedding,
 # 12 blocks of (norm, qkv, proj, norm, fc1, fc2), the final norm and the head.
 VIT_B = ([768 * 3 * 16 * 16, 768, 768, 197 * 768]
@@ -239,7 +273,8 @@ def optimizer(b: _Bench, ref: Device) -> dict[str, float]:
             passes = big / big_pass
         fixed = max(big - passes * big_pass, 0.0)
         out.update({f"{variant}_seconds": _r(big), f"{variant}_passes": _r(passes),
-                    f"{variant}_op_us": _r(fixed / counter.ops * 1e6), f"{variant}_ops": counter.ops})
+                    f"{variant}_op_us": _r(fixed / counter.ops * 1e6), f"{variant}_ops": counter.ops,
+                    f"{variant}_tensor_us": _r(fixed / len(VIT_B) * 1e6)})
     return out
 
 
@@ -284,6 +319,9 @@ def calibrate(device: str = "cuda", quick: bool = False, log: Callable[[str], No
     log("operator launches")
     measured["launch_us"] = launches(b)
     factors["launch_us"] = measured["launch_us"]["autograd"]
+    log("selective checkpointing")
+    measured["selective"] = sel = selective(b, factors["launch_us"])
+    factors["selective_op_us"] = sel["op_us"]
     log("host copies")
     measured["host_gbps"] = copies = host_copies(b)
     if copies:  # the same bytes each way: their total over the total seconds
@@ -292,7 +330,8 @@ def calibrate(device: str = "cuda", quick: bool = False, log: Callable[[str], No
     measured["optimizer"] = opt = optimizer(b, ref)
     for variant in ("foreach", "fused"):
         factors[f"optimizer_{variant}_passes"] = opt[f"{variant}_passes"]
-        factors[f"optimizer_{variant}_op_us"] = opt[f"{variant}_op_us"]
+    factors["optimizer_foreach_op_us"] = opt["foreach_op_us"]  # foreach launches kernels per list and chunk
+    factors["optimizer_fused_tensor_us"] = opt["fused_tensor_us"]  # fused: a few launches, host work per tensor
     factors["link_bw"] = None  # one GPU cannot measure its interconnect: the table's link_bw applies
     return {"format": FORMAT, "name": name, "gpu": ref.name, "family": ref.family, **about,
             "torch": torch.__version__, "date": datetime.date.today().isoformat(), "quick": b.quick,
@@ -312,4 +351,4 @@ def constants(device: Device) -> dict[str, Any]:
             "conv_channels_last": {d: e / lever("channels_last") for d, e in eff.items()},
             "memory_bound": 1.0, "launch_us": device.launch_us, "host_bw": 1.0,
             "optimizer_foreach_passes": lever("optimizer_foreach_passes"), "optimizer_fused_passes": 1.0,
-            "optimizer_foreach_op_us": device.launch_us, "optimizer_fused_op_us": device.launch_us}
+            "optimizer_foreach_op_us": device.launch_us, "selective_op_us": SELECTIVE_OP_US}

@@ -40,6 +40,12 @@ from memfit.planner.space import Plan
 from memfit.planner.time_profile import Profile, profile_for
 
 HOST_STEP_BYTES_PER_S = 20e9  # an optimizer step on the host CPU (either offload) touches state at ~20 GB/s
+# Selective checkpointing's host cost per operator its recomputation runs (its policy is a Python dispatch mode
+# over every operator of the region, in forward and again in the recomputation), where a profile has no
+# ``selective_op_us``: fitted to the H100's step times (benchmarks/gpu_calibration_h100.json, torch 2.11): ViT-L/16
+# b64 bf16 ac:selective 171 ms (49 ms over the model without it, 1776 operators recomputed), Swin-L b32 bf16
+# 182 ms (39 ms over, 3013 operators); 18 us puts both within 8% (relative to fp32, within 7%).
+SELECTIVE_OP_US = 18.0
 
 # The speed levers' factors by device family (Device.family); a family without a row takes "default"'s.
 # Checked against benchmarks/gpu_throughput.py on one H100 (torch 2.11, 2026-11-26; raw numbers in
@@ -92,6 +98,7 @@ class ModelState:
     params: int
     grads: int
     optimizer: int
+    tensors: int = 0  # parameter tensors the optimizer steps
 
 
 def step_seconds(plan: Plan, micro: StepMeasurement, shard: StepMeasurement, state: ModelState, device: Device,
@@ -146,9 +153,15 @@ def micro_step_seconds(plan: Plan, micro: StepMeasurement, device: Device, profi
     layout = "conv_channels_last" if device.cuda and plan.channels_last and profile.has("conv_channels_last",
                                                                                         conv_dtype) else "conv"
     conv = micro.conv_flops / (conv_rate * 1e12 * profile.efficiency(layout, conv_dtype, device.efficiency))
-    other = (micro.flops - micro.conv_flops) / (rate * 1e12 * profile.efficiency("matmul", dtype, device.efficiency))
+    other = (micro.flops - micro.conv_flops - micro.attn_flops) / (
+        rate * 1e12 * profile.efficiency("matmul", dtype, device.efficiency))
+    # Fused attention at its own measured rate where the profile has one (else a matmul's).
+    kind = "attention" if profile.has("attention", dtype) else "matmul"
+    other += micro.attn_flops / (rate * 1e12 * profile.efficiency(kind, dtype, device.efficiency))
     written = 2 * micro.written / (device.mem_bw * 1e9 * profile.number("memory_bound", 1.0))
     launches = micro.ops * profile.number("launch_us", device.launch_us) * 1e-6
+    if device.cuda and plan.activation_checkpointing == "selective":
+        launches += micro.recompute_ops * profile.number("selective_op_us", SELECTIVE_OP_US) * 1e-6
     if device.cuda:
         if plan.channels_last and layout == "conv":
             conv *= lever_factor(device, "channels_last", profile)
@@ -176,7 +189,11 @@ def optimizer_seconds(plan: Plan, state: ModelState, device: Device, ops: int = 
     launch_us = profile.number("launch_us", device.launch_us)
     if plan.fused_optimizer:
         passes = profile.number("optimizer_fused_passes", 1.0)
-        op_us = profile.number("optimizer_fused_op_us", launch_us)
+        if profile.number("optimizer_fused_tensor_us", -1.0) >= 0:
+            # The fused kernel's host cost grows with the tensors it is given, not with its few launches.
+            per_tensor = profile.number("optimizer_fused_tensor_us", 0.0)
+            return optimizer_pass_seconds(state, device) * passes + state.tensors * per_tensor * 1e-6
+        op_us = launch_us
     else:
         passes = lever_factor(device, "optimizer_foreach_passes", profile)
         op_us = profile.number("optimizer_foreach_op_us", launch_us)

@@ -38,6 +38,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from memfit.errors import ConfigError
 from memfit.measure import CachingAllocatorModel, MemoryTracker, optimizer_state_tensors, storages
+from memfit.measure.storages import stepped_params
 from memfit.optim.spec import OptimWrapperSpec
 from memfit.planner.devices import CUBLAS_BLOCKS
 from memfit.planner.space import technique_cfg
@@ -83,7 +84,10 @@ class StepMeasurement:
     timeline: Any = None
     host_peak: int = 0  # host memory an offloaded optimizer held (not in ``peak``)
     conv_flops: int = 0
+    attn_flops: int = 0  # of ``flops``: fused attention's
     step_ops: int = 0  # operators of one optimizer step (foreach: a few per list; fused: one per list)
+    step_tensors: int = 0  # parameter tensors the optimizer steps (this rank's)
+    recompute_ops: int = 0  # a composed forward/backward: the operators its recomputation adds (of ``ops``)
     # A one-step full run on a CUDA target: the simulated allocator's calls of its optimizer step and after
     # (:func:`optimizer_epilogue`), which a composed row's allocator replay runs between its two steps.
     epilogue: list[tuple[int, int | None]] | None = None
@@ -118,6 +122,25 @@ def fake_process_group(world_size: int) -> Iterator[None]:
         tdist.destroy_process_group()
 
 
+def _cpu_attention_flops() -> dict[Any, Any]:
+    """FLOP formulas for the CPU's fused attention (what ``scaled_dot_product_attention`` dispatches on the fake
+    step's CPU tensors), which torch's counter has none of: those of its CUDA twins (flash attention's)."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    aten = torch.ops.aten
+    if not hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        return {}
+
+    def forward(query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+        return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+    def backward(grad: Any, query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+        return sdpa_backward_flop_count(grad.shape, query.shape, key.shape, value.shape)
+
+    return {aten._scaled_dot_product_flash_attention_for_cpu: forward,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
+
+
 class _OpCounter:
     """Counts operators, FLOPs (torch.utils.flop_counter's formulas) and collective bytes by kind, as the
     tracker's observer: it sees the operators the tracker counts (local tensors, not DTensor's wrappers
@@ -126,9 +149,10 @@ class _OpCounter:
     def __init__(self) -> None:
         from torch.utils.flop_counter import flop_registry
 
-        self.registry = flop_registry
+        self.registry = {**flop_registry, **_cpu_attention_flops()}
         self.flops = 0
         self.conv_flops = 0  # of ``flops``: convolutions forward and backward (channels_last, cuDNN's benchmark)
+        self.attn_flops = 0  # of ``flops``: fused attention (scaled_dot_product_attention), forward and backward
         self.ops = 0
         self.written = 0  # bytes written by operators without a FLOP formula: memory-bound elementwise work
         self.comm = {"gather": 0, "reduce": 0, "broadcast": 0}
@@ -162,6 +186,8 @@ class _OpCounter:
                     self.flops += flops
                     if "conv" in packet.__name__:
                         self.conv_flops += flops
+                    elif "scaled_dot_product" in packet.__name__:
+                        self.attn_flops += flops
                 elif isinstance(out, torch.Tensor) and func not in _VIEWS:
                     self.written += out.numel() * out.element_size()
                 elif func.namespace == "memfit":  # memfit's kernels (a backward returns several gradients)
@@ -374,12 +400,14 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
                            forward_backward=phases.fb if full else overall, optimizer=phases.opt,
                            flops=flops_per_micro, ops=counter.ops // (counts if full else 1),
                            conv_flops=counter.conv_flops // (counts if full else 1), step_ops=counter.step_ops,
+                           attn_flops=counter.attn_flops // (counts if full else 1),
                            written=counter.written // (counts if full else 1),
                            comm=dict(counter.comm), seconds=time.perf_counter() - start,
                            cuda_allocated=allocator.peak_allocated if allocator else 0,
                            cuda_reserved=allocator.peak_reserved if allocator else 0,
                            timeline=recorder.timeline if recorder is not None else None,
-                           host_peak=tracker.host_peak_bytes)
+                           host_peak=tracker.host_peak_bytes,
+                           step_tensors=len(stepped_params(tracker.optimizer)) if full else 0)
 
 
 def optimizer_epilogue(calls: list[tuple[Any, int | None]]) -> list[tuple[int, int | None]]:

@@ -24,7 +24,7 @@ tests/planner/test_recompute.py.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from memfit.measure import CachingAllocatorModel
@@ -43,6 +43,7 @@ class Composed:
     cuda_allocated: int = 0
     cuda_reserved: int = 0
     cuda_requested: int = 0  # with an epilogue: the bytes the two steps requested at their peak
+    recompute_ops: int = 0  # of ``ops``: the recomputations' (and their saved tensors' detaches)
 
 
 class CachedTensorMutated(RuntimeError):
@@ -91,12 +92,13 @@ def compose(tl: Timeline, regions: Iterable[str], selective: bool = False,
     for c in sorted(chosen):
         more = _recompute(tl, c, frame[c], selective, items, hold)
         flops, ops, written = flops + more[0], ops + more[1], written + more[2]
+    recompute_ops = ops - ix.ops
     for i, uid, nbytes, retro in ix.allocs:
         items.append((i, 0, 0, True, uid, nbytes, retro))
         at = free.get(uid, end)
         if at < end:
             items.append((*at, False, uid, 0, False))
-    return _replay(tl, items, flops, ops, written, epilogue)
+    return replace(_replay(tl, items, flops, ops, written, epilogue), recompute_ops=recompute_ops)
 
 
 def _recompute(tl: Timeline, c: int, frame: int, selective: bool, items: list[tuple],

@@ -60,8 +60,9 @@ def verdict(pred: Prediction) -> str:
         return (f"recommended ({where}): {r.plan.name}, peak {size(r.peak_bytes)}, "
                 f"{r.rel_step_time:.2f}x the configured step time")
     closest = min(pred.results, key=lambda r: r.peak_bytes)
-    within = closest.peak_bytes <= pred.budget  # fits, but not with the 5% the recommendation keeps free
-    peak = f"predicted peak {size(closest.peak_bytes)}" + (", within 5% of the budget" if within else "")
+    within = closest.peak_bytes <= pred.budget  # under the budget, not under the margin a prediction keeps free
+    peak = f"predicted peak {size(closest.peak_bytes)}" + (", within the budget but not its margin (docs/planner.md, "
+                                                           "Fits)" if within else "")
     if len(pred.results) == 1 and closest.plan.configured:
         return (f"the configured plan does not fit ({where}): '{closest.plan.name}', {peak}; try a bigger "
                 "--budget, more GPUs (--gpus, --nodes), or leave out --as-is to search every plan")

@@ -95,7 +95,8 @@ def model_state(m: StepMeasurement) -> ModelState:
     b = m.optimizer.breakdown or m.breakdown
     params = b.get("parameters", 0)
     # An offloaded optimizer's state is on the host: its peak there less the parameters' host copy.
-    return ModelState(params, b.get("gradients", 0), b.get("optimizer_state", 0) or max(0, m.host_peak - params))
+    return ModelState(params, b.get("gradients", 0), b.get("optimizer_state", 0) or max(0, m.host_peak - params),
+                      m.step_tensors)
 
 
 def plan_result(plan: Plan, step: StepMeasurement, micro: StepMeasurement, device: Device, world_size: int,

@@ -16,7 +16,10 @@ The factors (``"factors"`` in the file; any may be left out, the constant then a
 - ``launch_us``: host seconds per dispatched operator (eager, forward and backward), in microseconds;
 - ``host_bw``: host<->device copies (pinned), x the table's; ``link_bw``: null (one GPU cannot measure it);
 - ``optimizer_foreach_passes``, ``optimizer_fused_passes``: an optimizer step's seconds in passes over its
-  state; ``optimizer_foreach_op_us``, ``optimizer_fused_op_us``: its fixed cost per dispatched operator;
+  state; ``optimizer_foreach_op_us``: foreach's fixed cost per dispatched operator; ``optimizer_fused_tensor_us``:
+  fused's per parameter tensor it steps (its host work; it launches a few kernels);
+- ``selective_op_us``: selective checkpointing's host cost per operator its recomputation runs (its policy sees
+  every operator of the region), beyond the operator's launch;
 - any key of :data:`memfit.planner.cost.LEVER_FACTORS` (a number): replaces that lever's factor.
 """
 

@@ -43,3 +43,12 @@ def _plan_in_process():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MEMFIT_PLAN_WORKERS", "1")
         yield
+
+
+@pytest.fixture
+def constants_time_model(monkeypatch):
+    """The step-time model's constants, whatever profiles the package holds (memfit/planner/profiles/): for tests
+    of the constants' own arithmetic."""
+    from memfit.planner import time_profile
+
+    monkeypatch.setattr(time_profile, "installed", lambda *a, **k: ())

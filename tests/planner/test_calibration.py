@@ -107,7 +107,7 @@ def test_without_a_profile_the_constants_apply(plan, monkeypatch):
         micro_step_seconds(plan, MICRO, device) + optimizer_seconds(plan, STATE, device, MICRO.step_ops))
 
 
-def test_profile_factors_scale_their_terms(monkeypatch):
+def test_profile_factors_scale_their_terms(monkeypatch, constants_time_model):
     device = gpu("H100")
     bf16 = Plan(precision="bf16")
     only = {"matmul": StepMeasurement(0, {}, Phase(), Phase(), flops=10**13),
@@ -130,10 +130,14 @@ def test_profile_factors_scale_their_terms(monkeypatch):
     assert seconds("written", memory_bound=0.5) == pytest.approx(2 * seconds("written"))
     assert seconds("ops", launch_us=5.0) == pytest.approx(seconds("ops") / 4)
     profile = Profile("H100", "", "hopper", {"optimizer_foreach_passes": 4.0, "optimizer_foreach_op_us": 0.0,
-                                             "optimizer_fused_passes": 2.0, "optimizer_fused_op_us": 0.0})
+                                             "optimizer_fused_passes": 2.0, "optimizer_fused_tensor_us": 0.0})
     one_pass = (2 * STATE.params + STATE.grads + 2 * STATE.optimizer) / (device.mem_bw * 1e9)
     assert optimizer_seconds(Plan(), STATE, device, 40, profile) == pytest.approx(4 * one_pass)
     assert optimizer_seconds(Plan(fused_optimizer=True), STATE, device, 40, profile) == pytest.approx(2 * one_pass)
+    # A fused step's fixed cost is per tensor it steps, whatever its few launches.
+    per_tensor = Profile("H100", "", "hopper", {"optimizer_fused_passes": 2.0, "optimizer_fused_tensor_us": 5.0})
+    assert optimizer_seconds(Plan(fused_optimizer=True), replace(STATE, tensors=100), device, 40, per_tensor) == \
+        pytest.approx(2 * one_pass + 100 * 5e-6)
     # An installed profile times its GPU's plans and the nearest's, not a CPU's.
     before = step_seconds(bf16, MICRO, MICRO, STATE, gpu("H200"), 1, 1)
     monkeypatch.setattr(time_profile, "installed", lambda: (Profile("H100", "", "hopper", {"launch_us": 10.0}),))

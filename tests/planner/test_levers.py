@@ -165,7 +165,7 @@ def test_levers_follow_the_target_and_the_model(conv_facts):
                for p in enumerate_plans(Plan("fp32", micro_batch=2), conv_facts, 1))  # none unless given
 
 
-def test_tf32_and_the_conv_levers_in_the_time_model():
+def test_tf32_and_the_conv_levers_in_the_time_model(constants_time_model):
     h100, t4 = gpu("H100"), gpu("T4")
     matmul = StepMeasurement(0, {}, Phase(), Phase(), flops=10**12)
     conv = replace(matmul, conv_flops=10**12)
