@@ -1,0 +1,68 @@
+"""The step-time model's terms added with the calibrated profiles: fused attention's FLOPs (the CPU fake step's
+flash attention, which torch's counter has no formula for), selective checkpointing's host cost per recomputed
+operator, and the margin a CUDA row must leave free to fit, by how it was predicted."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+from memfit.planner.cost import SELECTIVE_OP_US, micro_step_seconds
+from memfit.planner.devices import gpu, this_cpu
+from memfit.planner.fake import Phase, StepMeasurement, fake_process_group, measure_step
+from memfit.planner.predict import FIT_MARGINS, _rank, fit_margin
+from memfit.planner.results import PlanResult
+from memfit.planner.space import Plan
+from memfit.planner.time_profile import Profile
+
+VIT = dict(type="TimmClassifier", model_name="vit_tiny_patch16_224", num_classes=4, img_size=32, patch_size=8,
+           embed_dim=64, depth=2, num_heads=2, drop_path_rate=0.0)
+
+
+def test_the_fake_step_counts_fused_attention():
+    data = dict(type="ShapesDataset", image_size=32, num_classes=4, num_samples=8)
+    cfg = dict(model=VIT, optim_wrapper=dict(type="OptimWrapper", optimizer=dict(type="SGD", lr=0.1)),
+               train_dataloader=dict(batch_size=2, num_workers=0, dataset=data, sampler=dict(type="DefaultSampler")),
+               strategy=dict(type="SingleDeviceStrategy"))
+    with fake_process_group(1):
+        m = measure_step(cfg, full=False, cuda=True)
+    shape = torch.Size((2, 2, 17, 32))  # batch, heads, 4x4 patches and the class token, head width
+    per_layer = sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(shape, shape, shape, shape)
+    assert m.attn_flops == 2 * per_layer  # two blocks, forward and backward (flash's backward recomputes scores)
+    assert 0 < m.attn_flops < m.flops
+
+
+def test_attention_and_selective_terms_on_a_gpu(constants_time_model):
+    h100 = gpu("H100")
+    attn = StepMeasurement(0, {}, Phase(), Phase(), flops=10**13, attn_flops=10**13)
+    bf16 = Plan("bf16")
+    profile = Profile("H100", "", "hopper", {"matmul": {"bf16": 0.8}, "attention": {"bf16": 0.4}})
+    assert micro_step_seconds(bf16, attn, h100, profile) == pytest.approx(10 / (989 * 0.4))  # attention's own rate
+    assert micro_step_seconds(bf16, attn, h100, Profile("H100", "", "hopper", {"matmul": {"bf16": 0.8}})) == \
+        pytest.approx(10 / (989 * 0.8))  # a profile without it: a matmul's
+    recomputed = StepMeasurement(0, {}, Phase(), Phase(), ops=1000, recompute_ops=400)
+    plain = micro_step_seconds(Plan("bf16", "blocks"), recomputed, h100)
+    assert micro_step_seconds(Plan("bf16", "selective"), recomputed, h100) == pytest.approx(
+        plain + 400 * SELECTIVE_OP_US * 1e-6)
+    assert micro_step_seconds(Plan("bf16", "selective"), recomputed, h100, Profile("H100", "", "hopper", {
+        "selective_op_us": 5.0})) == pytest.approx(micro_step_seconds(Plan("bf16", "blocks"), recomputed, h100, Profile(
+            "H100", "", "hopper", {})) + 400 * 5e-6)
+
+
+def test_a_row_fits_with_the_margin_its_kind_needs():
+    h100, budget = gpu("H100"), 100 * 2**30
+
+    def row(source: str, **plan) -> PlanResult:
+        return PlanResult(Plan("bf16", **plan), int(0.94 * budget), {}, 0, 0, 1.0, source)
+
+    rows = [row("measured"), row("composed"), row("composed", sharding="fsdp"), row("composed", offload="optimizer")]
+    beside = FIT_MARGINS["composed, sharded or offloaded"]
+    assert [fit_margin(r, h100) for r in rows] == [FIT_MARGINS["measured"], FIT_MARGINS["composed"], beside, beside]
+    _rank(rows, budget, h100)
+    assert [r.fits for r in rows] == [True, True, False, False]  # 94% of the budget: inside 3% and 5%, not 8%
+    cpu_rows = [replace(r) for r in rows]
+    _rank(cpu_rows, budget, this_cpu(0.001))
+    assert all(r.fits for r in cpu_rows)  # a CPU target's figures are its live tensor bytes: no margin
