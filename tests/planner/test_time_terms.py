@@ -58,11 +58,11 @@ def test_a_row_fits_with_the_margin_its_kind_needs():
     def row(source: str, **plan) -> PlanResult:
         return PlanResult(Plan("bf16", **plan), int(0.94 * budget), {}, 0, 0, 1.0, source)
 
-    rows = [row("measured"), row("composed"), row("composed", sharding="fsdp"), row("composed", offload="optimizer")]
-    beside = FIT_MARGINS["composed, sharded or offloaded"]
+    rows = [row("measured"), row("composed"), row("composed", sharding="fsdp"), row("measured", offload="optimizer")]
+    beside = FIT_MARGINS["sharded or offloaded"]
     assert [fit_margin(r, h100) for r in rows] == [FIT_MARGINS["measured"], FIT_MARGINS["composed"], beside, beside]
     _rank(rows, budget, h100)
-    assert [r.fits for r in rows] == [True, True, False, False]  # 94% of the budget: inside 3% and 5%, not 8%
+    assert [r.fits for r in rows] == [True, True, False, False]  # 94% of the budget: inside 4% and 5%, not 8%
     cpu_rows = [replace(r) for r in rows]
     _rank(cpu_rows, budget, this_cpu(0.001))
     assert all(r.fits for r in cpu_rows)  # a CPU target's figures are its live tensor bytes: no margin
