@@ -71,6 +71,10 @@ _FORK_PREAMBLE = r"""
 import json, os, runpy, signal, sys, time, traceback
 for module in json.loads(sys.argv[1]):
     __import__(module)
+# Out of the collector's sight: a child's collections (and its exit's) would otherwise walk, and so copy from the
+# parent, every object the imports made (measured: 6 s of a 2-rank launch's 16 s on a 2-core machine).
+import gc
+gc.freeze()
 
 
 def fork_script(script, args, out_path, err_path, **environ):
