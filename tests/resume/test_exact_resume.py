@@ -5,7 +5,8 @@ AdamW, warm-up + cosine schedule, accumulation k=3, validation with save_best, m
 that appends ``iteration float.hex(loss)`` per iteration to a log. A chain of runs in one work dir
 is killed at several positions and resumed with ``resume=True`` each time; every loss any of those
 runs recorded must equal the reference run's loss at that iteration, and the final weights must be
-identical.
+identical. Both tests' references and chains are forked, run after run, from one parent that imported torch
+and memfit once (the imports were most of each run's time).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,25 +34,6 @@ def _checked(proc: subprocess.CompletedProcess, opts: dict) -> int:
     return proc.returncode
 
 
-def _args(work_dir: Path, log: Path, **opts) -> str:
-    return json.dumps({"work_dir": str(work_dir), "log": str(log), **opts})
-
-
-def _run(work_dir: Path, log: Path, **opts) -> int:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, str(SCRIPT), _args(work_dir, log, **opts)], capture_output=True,
-                          text=True, env=env, timeout=240)
-    return _checked(proc, opts)
-
-
-def _run_chain(tmp_path: Path, work_dir: Path, log: Path, runs: list[dict]) -> list[int]:
-    """The runs one after the other, each its own process (forked from one parent that imported torch and
-    memfit once: the imports were most of each run's time), as many exit statuses."""
-    procs = run_forked(SCRIPT, [[_args(work_dir, log, **opts)] for opts in runs], out_dir=tmp_path / "procs",
-                       timeout=240 * len(runs))
-    return [_checked(proc, opts) for proc, opts in zip(procs, runs)]
-
-
 def _segments(log: Path) -> list[tuple[int | None, list[tuple[int, str]]]]:
     """The log split into runs: (iteration it resumed at or None, [(iteration, loss hex)])."""
     segments: list[tuple[int | None, list[tuple[int, str]]]] = [(None, [])]
@@ -65,30 +46,48 @@ def _segments(log: Path) -> list[tuple[int | None, list[tuple[int, str]]]]:
     return segments
 
 
-def _reference(tmp_path_factory: pytest.TempPathFactory, **opts) -> tuple[dict[int, str], Path]:
-    root = tmp_path_factory.mktemp("reference")
-    assert _run(root / "work", root / "losses.log", **opts) == 0
-    losses = dict(_segments(root / "losses.log")[0][1])
-    assert sorted(losses) == list(range(ITERS))
-    return losses, root / "work"
+def _kill_points() -> dict[str, tuple[list[str], list[int], dict]]:
+    """Per config: the kills (see the tests), the iterations the resumes must start at, the runs' options."""
+    seed = int(os.environ.get("MEMFIT_KILL_SEED", "20261122"))  # set it to try other kill points
+    k = random.Random(seed).randrange(5, ITERS - 5)  # a checkpoint every 5 iterations: one exists by then
+    after = (k // 5 + 1) * 5
+    return {
+        "epoch": (["before:17", "after:20", "save:iter_25.pth", "pointer:iter_30.pth"], [15, 20, 20, 25],
+                  dict(by_epoch=True, num_workers=0)),
+        "iter": ([f"before:{k}", f"after:{after}"], [k // 5 * 5, after], dict(by_epoch=False, num_workers=2)),
+    }
 
 
 @pytest.fixture(scope="module")
-def epoch_reference(tmp_path_factory):
-    return _reference(tmp_path_factory, by_epoch=True, num_workers=0)
+def chains(tmp_path_factory) -> dict[str, dict]:
+    """Per config: an uninterrupted reference run; then, in one work dir, a run killed at each kill point and
+    resumed by the next, and a last resume that completes. Every run of both configs in one run_forked call."""
+    root = tmp_path_factory.mktemp("exact_resume")
+    runs, plans = [], {}
+    for name, (kills, expected, opts) in _kill_points().items():
+        ref, chain = root / f"{name}-reference", root / f"{name}-chain"
+        ref.mkdir()
+        chain.mkdir()
+        plans[name] = dict(ref=ref, chain=chain, kills=kills, expected=expected, first=len(runs))
+        runs.append(dict(work_dir=str(ref / "work"), log=str(ref / "losses.log"), **opts))
+        runs += [dict(work_dir=str(chain / "work"), log=str(chain / "losses.log"), resume=True, **opts,
+                      **({"kill": kill} if kill else {})) for kill in [*kills, None]]
+    procs = run_forked(SCRIPT, [[json.dumps(opts)] for opts in runs], out_dir=root / "procs",
+                       timeout=240 * len(runs))
+    codes = [_checked(proc, opts) for proc, opts in zip(procs, runs)]
+    for plan in plans.values():
+        first = plan.pop("first")
+        plan["codes"] = codes[first:first + len(plan["kills"]) + 2]  # the reference's, then the chain's
+    return plans
 
 
-@pytest.fixture(scope="module")
-def iter_reference(tmp_path_factory):
-    return _reference(tmp_path_factory, by_epoch=False, num_workers=2)
-
-
-def _check_chain(tmp_path: Path, reference: tuple[dict[int, str], Path], kills: list[str],
-                 expected_resumes: list[int], **opts) -> None:
-    ref_losses, ref_dir = reference
-    work, log = tmp_path / "work", tmp_path / "losses.log"
-    codes = _run_chain(tmp_path, work, log, [*(dict(resume=True, kill=kill, **opts) for kill in kills),
-                                             dict(resume=True, **opts)])
+def _check_chain(plan: dict) -> None:
+    ref_code, *codes = plan["codes"]
+    kills, expected_resumes = plan["kills"], plan["expected"]
+    assert ref_code == 0
+    ref_losses = dict(_segments(plan["ref"] / "losses.log")[0][1])
+    assert sorted(ref_losses) == list(range(ITERS))
+    ref_dir, work, log = plan["ref"] / "work", plan["chain"] / "work", plan["chain"] / "losses.log"
     for code, kill in zip(codes, kills):
         assert code == -signal.SIGKILL, f"kill {kill} did not happen"
     assert codes[-1] == 0
@@ -115,21 +114,15 @@ def _check_chain(tmp_path: Path, reference: tuple[dict[int, str], Path], kills: 
     assert read_latest(work) == work / f"iter_{ITERS}.pth"
 
 
-def test_epoch_based_kills_resume_bit_exact(tmp_path, epoch_reference):
+def test_epoch_based_kills_resume_bit_exact(chains):
     """Epoch-based, num_workers=0. Kills: mid-epoch with iter_15 (inside an accumulation window:
     15 % 3 != 0 in epoch 2) as the last checkpoint; right after saving iter_20 (an epoch end, before
     its validation); during the write of iter_25 (the previous checkpoint must serve); after iter_30
     is written but before last_checkpoint names it (resumes from iter_25, inside a window)."""
-    kills = ["before:17", "after:20", "save:iter_25.pth", "pointer:iter_30.pth"]
-    _check_chain(tmp_path, epoch_reference, kills, [15, 20, 20, 25], by_epoch=True, num_workers=0)
+    _check_chain(chains["epoch"])
 
 
-def test_iteration_based_random_kill_resume_bit_exact(tmp_path, iter_reference):
-    """Iteration-based, num_workers=2: a kill at a random iteration, then one right after the
-    save of iter_K that follows it."""
-    seed = int(os.environ.get("MEMFIT_KILL_SEED", "20261122"))  # set it to try other kill points
-    k = random.Random(seed).randrange(5, ITERS - 5)  # a checkpoint every 5 iterations: one exists by then
-    after = (k // 5 + 1) * 5
-    kills = [f"before:{k}", f"after:{after}"]
-    last_ckpt = k // 5 * 5
-    _check_chain(tmp_path, iter_reference, kills, [last_ckpt, after], by_epoch=False, num_workers=2)
+def test_iteration_based_random_kill_resume_bit_exact(chains):
+    """Iteration-based, num_workers=2: a kill at a random iteration (MEMFIT_KILL_SEED), then one right after
+    the save of iter_K that follows it."""
+    _check_chain(chains["iter"])
