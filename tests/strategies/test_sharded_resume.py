@@ -2,7 +2,7 @@
 losses as an uninterrupted run and no sample skipped or repeated; ZeRO-1 checkpoints likewise."""
 
 import os
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 
@@ -15,13 +15,22 @@ SCRIPT = Path(__file__).parent / "scripts" / "train_resume.py"
 TOL = 1e-5  # a different world size changes only the order of the gradient reduction
 
 
-def _one_process(out: Path, name: str, runs: list[str], cwd: Path) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEMFIT_TEST_OUT": str(out), "CUDA_VISIBLE_DEVICES": ""}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(k, None)
-    proc = subprocess.run([sys.executable, str(SCRIPT), name, *runs], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=240)
-    return read_results(out, 1, proc, name=name)[0]
+def _one_process(out: Path, name: str, runs: list[str]) -> dict:
+    """The runs at world size 1, in this process (train_resume.py as ``__main__``, unlaunched: the one-process
+    group memfit joins without RANK/WORLD_SIZE), so that no process pays the imports again."""
+    import torch.distributed as tdist
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MEMFIT_TEST_OUT", str(out))
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            mp.delenv(k, raising=False)
+        mp.setattr(sys, "argv", [str(SCRIPT), name, *runs])
+        try:
+            runpy.run_path(str(SCRIPT), run_name="__main__")
+        finally:
+            if tdist.is_initialized():
+                tdist.destroy_process_group()
+    return read_results(out, 1, name=name)[0]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +46,7 @@ def runs(tmp_path_factory):
         b = _one_process(out, "B", ["fsdp:r1_fsdp:w2_fsdp/iter_4.pth", "single:r1_single:w2_fsdp/iter_4.pth",
                                     "ddp_zero:r1_zero:w2_zero/iter_4.pth", "fsdp:w1_fsdp",
                                     "fsdp_optoffload:r1_off:w2_off/iter_4.pth",
-                                    "single:r1_from_off:w2_off/iter_4.pth"], root)
+                                    "single:r1_from_off:w2_off/iter_4.pth"])
         proc = launch(SCRIPT, 2, ["C", "fsdp:r2_fsdp:w2_fsdp/iter_4.pth", "fsdp:r12_fsdp:w1_fsdp/iter_4.pth",
                                   "fsdp_optoffload:r2_off:w2_fsdp/iter_4.pth"], out_dir=out, timeout=240)
         c = read_results(out, 2, proc, name="C")[0]
