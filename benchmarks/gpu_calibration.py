@@ -67,7 +67,8 @@ CASES: list[tuple[str, str, list[str], str]] = [
     ("deit-b bf16 offload:optimizer", str(VIT), DEIT_B, "bf16 offload:optimizer mb64x1"),
 ]
 # The cases whose allocator trace ``measure --trace`` records (two steps from an empty allocator).
-TRACED = ("vit-l bf16 mb64x1", "vit-l bf16 ac:blocks mb64x1", "vit-l bf16 ac:every2 mb64x1")
+TRACED = ("vit-l bf16 mb64x1", "vit-l bf16 ac:blocks mb64x1", "vit-l bf16 ac:every2 mb64x1",
+          "deit-b bf16 offload:optimizer")
 
 
 def _config(spec: str, options: list[str], data: Path) -> dict:
