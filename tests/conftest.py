@@ -46,18 +46,21 @@ def _no_process_group_leaks():
         tdist.destroy_process_group()
 
 
-# The slowest test files (about 15 s or more each on the 2-core AVX2 CPU, most of it launching processes), longest
-# first. `make test` hands whole files to two workers in collection order (--dist loadfile --no-loadscope-reorder):
-# the long files go first, so that the two workers end together instead of one running a long file alone at the end.
+# The slowest test files (about 14 s or more each under `make test` on a 2-core CPU, two workers sharing it: most of
+# it launching processes), longest first. `make test` hands whole files to two workers in collection order (--dist
+# loadfile --no-loadscope-reorder): the long files go first, so that the two workers end together instead of one
+# running a long file alone at the end.
 SLOW_FIRST = [
-    "strategies_ds/test_deepspeed.py", "planner/test_accuracy.py", "strategies/test_sharded_resume.py",
-    "planner/test_recompute.py", "resume/test_exact_resume.py", "resume/test_chaos.py",
-    "strategies/test_seeds_distributed.py", "strategies/test_launch.py", "strategies_ds/test_deepspeed_detection.py",
-    "core/test_cli.py", "speed/test_strategies.py", "strategies_ds/test_colossalai.py",
-    "strategies/test_detection_distributed.py", "strategies/test_ddp_fsdp.py", "planner/test_runs.py",
-    "strategies/test_vissl_techniques.py", "checkpoint/test_checkpoint_directory.py", "core/test_architecture.py",
-    "strategies/test_async_save.py", "core/test_runner.py", "hooks/test_preemption.py", "model/test_dino.py",
-    "strategies/test_publish_sharded.py", "hooks/test_invalid_loss.py",
+    "strategies_ds/test_deepspeed.py", "planner/test_recompute.py", "planner/test_accuracy.py", "resume/test_chaos.py",
+    "strategies/test_launch.py", "strategies/test_sharded_resume.py", "strategies/test_seeds_distributed.py",
+    "planner/test_runs.py", "resume/test_exact_resume.py", "checkpoint/test_checkpoint_directory.py",
+    "core/test_cli.py", "strategies_ds/test_colossalai.py", "speed/test_strategies.py",
+    "strategies_ds/test_deepspeed_detection.py", "model/test_dino.py", "strategies/test_ddp_fsdp.py",
+    "strategies/test_detection_distributed.py", "core/test_runner.py", "core/test_architecture.py",
+    "hooks/test_preemption.py", "speed/test_compile.py", "strategies/test_vissl_techniques.py",
+    "checkpoint/test_checkpoint_io.py", "planner/test_cli.py", "memory/test_checkpointing.py",
+    "hooks/test_invalid_loss.py", "strategies/test_publish_sharded.py", "measure/test_tracker.py",
+    "planner/test_sharding_sweep.py", "optim/test_wrapper_mmengine.py", "strategies/test_async_save.py",
 ]
 
 
