@@ -225,6 +225,7 @@ class _Composer:
             self.regions = {c: checkpointed_modules(runs.meta, facts, c) for c in choices}
         self.record = tuple(sorted({*runs.facts.blocks, *(n for names in self.regions.values() for n in names)}))
         self.composed: dict[tuple, StepMeasurement | StepFailed] = {}
+        self.epilogues: dict[int, tuple[int, int]] = {}  # id of a sharding's step -> its epilogue's key
 
     def _ref(self, plan: Plan) -> Plan:
         """The reference plan with ``plan``'s levers that its fake steps run (channels_last lays activations out
@@ -293,11 +294,13 @@ class _Composer:
         if shard.epilogue is None or not self.device.cuda:
             return act
         epilogue = [] if plan.offload != "none" else shard.epilogue
-        out = self._two_steps(plan, mb, epilogue, ("offload" if plan.offload != "none" else "", id(shard)))
+        # Steps whose optimizer allocates the same (the anchors of one sharding) share their two steps.
+        key = self.epilogues.setdefault(id(shard), (hash(tuple(shard.epilogue)), len(shard.epilogue)))
+        out = self._two_steps(plan, mb, epilogue, (len(epilogue) and key,))
         if out is None:
             return act
         if plan.sharding in ("fsdp", "zero2"):
-            ref = self._two_steps(self._ref(plan), self.ref.micro_batch, epilogue, ("", id(shard)))
+            ref = self._two_steps(self._ref(plan), self.ref.micro_batch, epilogue, (len(epilogue) and key,))
             extra = (shard.cuda_reserved - shard.cuda_allocated) - (ref.cuda_reserved - ref.cuda_allocated) if ref \
                 else 0
             out = replace(out, cuda_reserved=out.cuda_reserved + max(0, extra))
