@@ -123,3 +123,20 @@ def plan_result(plan: Plan, step: StepMeasurement, micro: StepMeasurement, devic
     peak, breakdown, allocated, reserved = device_figures(tracked, breakdown, device, world_size, run)
     seconds = step_seconds(plan, micro, step, model_state(step), device, world_size, shard_counts)
     return PlanResult(plan, peak, breakdown, allocated, reserved, seconds, source)
+
+
+# A CUDA row "fits" when its predicted device peak leaves this share of the budget free, by how the row was
+# predicted: how far under the GPU's such predictions were measured on an H100 (docs/planner.md, "Fits"). A
+# row's own fake step on one device: -3.0% at worst; composed single-device rows: -3.0%; rows whose sharding
+# (FSDP, ZeRO-2) or offload allocates beside the activations: -5.4% (DeiT-B with optimizer offload).
+FIT_MARGINS = {"measured": 0.04, "composed": 0.05, "sharded or offloaded": 0.08}
+
+
+def fit_margin(r: PlanResult, device: Device) -> float:
+    """The share of the budget ``r`` must leave free to fit (:data:`FIT_MARGINS`; none on a CPU, whose figures are
+    live tensor bytes)."""
+    if not device.cuda:
+        return 0.0
+    if r.plan.sharding in ("fsdp", "zero2") or r.plan.offload != "none":
+        return FIT_MARGINS["sharded or offloaded"]
+    return FIT_MARGINS["measured" if r.source == "measured" else "composed"]

@@ -13,8 +13,8 @@ from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 from memfit.planner.cost import SELECTIVE_OP_US, micro_step_seconds
 from memfit.planner.devices import gpu, this_cpu
 from memfit.planner.fake import Phase, StepMeasurement, fake_process_group, measure_step
-from memfit.planner.predict import FIT_MARGINS, _rank, fit_margin
-from memfit.planner.results import PlanResult
+from memfit.planner.predict import _rank
+from memfit.planner.results import FIT_MARGINS, PlanResult, fit_margin
 from memfit.planner.space import Plan
 from memfit.planner.time_profile import Profile
 
