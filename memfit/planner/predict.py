@@ -37,16 +37,16 @@ from dataclasses import replace
 
 from memfit.errors import ConfigError
 from memfit.measure import CachingAllocatorModel
+from memfit.planner.block_subsets import block_subsets
 from memfit.planner.devices import Device
 from memfit.planner.fake import Phase, StepMeasurement, build_meta_model
 from memfit.planner.inputs import Inputs
 from memfit.planner.levers import allowed_levers, compiled_twins
 from memfit.planner.recompute import CachedTensorMutated, compose
-from memfit.planner.results import PlanResult, Prediction, fit_margin, plan_result
+from memfit.planner.results import AUTO_FIT_MARGIN, PlanResult, Prediction, fit_margin, plan_result
 from memfit.planner.runs import Runs, StepFailed
 from memfit.planner.space import PRECISIONS, ModelFacts, Plan, checkpointed_modules, configured_plan, enumerate_plans
 
-AUTO_FIT_MARGIN = 0.05  # the recommended plan leaves 5% of the budget free
 _COMPOSED = ("none", "stages", "blocks", "every2", "selective")  # checkpointing choices composed (and firstN)
 
 
@@ -140,7 +140,7 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
                 results.append(compose(p))
             except StepFailed as exc:
                 failed.setdefault(str(exc), []).append(p)
-        results += _block_subsets(results, len(facts.blocks), budget, compose)
+        results += block_subsets(results, len(facts.blocks), budget, compose)
         _rank(results, budget, device)
         recommended = _recommend(results, budget)
         while verify and recommended is not None and results[recommended].source != "measured":
@@ -372,57 +372,6 @@ class _Composer:
                                    fb_delta=peak - self._line(ref, mb)[0], fb_grads=fb_grads,
                                    allocator_run=self._slack_at(plan, slack_mb, shard)))
         return replace(max(results, key=lambda r: r.peak_bytes), seconds=results[0].seconds)
-
-
-def _block_subsets(results: list[PlanResult], blocks: int, budget: int, compose: _Composer) -> list[PlanResult]:
-    """The planner's own checkpointing choice: where a plan does not fit without checkpointing but does
-    with every block checkpointed, the fewest first blocks (``ac:firstN``) that fit. Composed like any
-    choice from the recorded forward/backward (a bisection over N: the peak falls as blocks are added);
-    where choices are run instead, peak and time are interpolated by the share of blocks, which errs high
-    on pyramids (Swin, ResNet), whose first blocks hold the largest activations. A recommended subset is
-    re-run whole like any row."""
-    limit = budget * (1 - AUTO_FIT_MARGIN)
-    by_rest = {replace(r.plan, activation_checkpointing="none", configured=False): r for r in results
-               if r.plan.activation_checkpointing == "blocks"}
-    out = []
-    for r in results:
-        full = by_rest.get(replace(r.plan, configured=False)) if r.plan.activation_checkpointing == "none" else None
-        if full is None or blocks < 2 or r.peak_bytes <= limit or full.peak_bytes > limit:
-            continue
-        subset = _fewest_blocks(r.plan, blocks, limit, compose) if compose.recorded else _interpolated(r, full, blocks,
-                                                                                                        limit)
-        if subset is not None:
-            out.append(subset)
-    return out
-
-
-def _fewest_blocks(plan: Plan, blocks: int, limit: float, compose: _Composer) -> PlanResult | None:
-    best, lo, hi = None, 1, blocks - 1
-    while lo <= hi:
-        n = (lo + hi) // 2
-        try:
-            r = compose(replace(plan, activation_checkpointing=f"first{n}", configured=False))
-        except StepFailed:
-            return best
-        if r.peak_bytes <= limit:
-            best, hi = r, n - 1
-        else:
-            lo = n + 1
-    return best
-
-
-def _interpolated(r: PlanResult, full: PlanResult, blocks: int, limit: float) -> PlanResult | None:
-    per_block = (r.peak_bytes - full.peak_bytes) / blocks
-    n = min(blocks, max(1, int((r.peak_bytes - limit) / per_block) + 1)) if per_block > 0 else blocks
-    if n >= blocks:
-        return None
-    share = n / blocks
-    peak = int(r.peak_bytes - share * (r.peak_bytes - full.peak_bytes))
-    breakdown = {k: int(v + share * (full.breakdown.get(k, 0) - v)) for k, v in r.breakdown.items()}
-    return PlanResult(replace(r.plan, activation_checkpointing=f"first{n}", configured=False), peak, breakdown,
-                      int(r.allocated + share * (full.allocated - r.allocated)),
-                      int(r.reserved + share * (full.reserved - r.reserved)),
-                      r.seconds + share * (full.seconds - r.seconds))
 
 
 def _rank(results: list[PlanResult], budget: int, device: Device) -> None:

@@ -125,6 +125,7 @@ def plan_result(plan: Plan, step: StepMeasurement, micro: StepMeasurement, devic
     return PlanResult(plan, peak, breakdown, allocated, reserved, seconds, source)
 
 
+AUTO_FIT_MARGIN = 0.05  # the recommended plan leaves 5% of the budget free
 # A CUDA row "fits" when its predicted device peak leaves this share of the budget free, by how the row was
 # predicted: how far under the GPU's such predictions were measured on an H100 (docs/planner.md, "Fits"). A
 # row's own fake step on one device: -3.0% at worst; composed single-device rows: -3.0%; rows whose sharding
