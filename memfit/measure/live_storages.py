@@ -5,7 +5,7 @@ tensors: a ``TorchDispatchMode`` that keeps the running total and peak of live s
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
@@ -61,6 +61,12 @@ class LiveStorages(TorchDispatchMode):
         # Told of every allocation and free, in order (the planner's recorded timeline, memfit.planner.timeline).
         self.timeline: Any = None
         self.stand_ins: set[int] = set()  # ids of storages that are not the step's memory (the timeline's)
+        # A CUDA target's kernel scratch: the bytes of the blocks an operator takes while it runs (e.g.
+        # memfit.planner.kernel_scratch.cuda_scratch), counted as activations from its outputs until it returns.
+        self.scratch: Callable[[Any, Any, Any, Any], tuple[int, ...]] | None = None
+        # The stream the step's inputs were allocated on (a CUDA target's: the Runner's copy stream), if not
+        # the current one.
+        self.input_stream: Hashable | None = None
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def add(self, st: torch.UntypedStorage, category: str, retroactive: bool = False) -> None:
@@ -82,7 +88,7 @@ class LiveStorages(TorchDispatchMode):
                     self.allocator.malloc(key, n, self.stream())
                 if self.timeline is not None:
                     self.timeline.free(key)
-                    self.timeline.alloc(key, n, False)
+                    self.timeline.alloc(key, n, False, self.stream())
             return
         n = st.nbytes()
         ref = weakref.ref(st, lambda r, key=key: self._free(key, r))
@@ -92,15 +98,24 @@ class LiveStorages(TorchDispatchMode):
             self.host += n
             self.host_peak = max(self.host_peak, self.host)
             return
+        stream = self.input_stream if category == "inputs" and self.input_stream is not None else self.stream()
         if self.allocator is not None:
-            self.allocator.malloc(key, n, self.stream())
+            self.allocator.malloc(key, n, stream)
         if self.timeline is not None:
-            self.timeline.alloc(key, n, retroactive)
+            self.timeline.alloc(key, n, retroactive, stream)
         self.current[category] += n
         self.total += n
         if retroactive:  # alive since before entry: every earlier moment, the peak included, held it
             self.peak += n
             self.peak_breakdown[category] += n
+
+    def hold(self, key: Hashable, nbytes: int, category: str, stream: Hashable) -> None:
+        """``nbytes`` held from now to the end, which no tensor of the step shows (a CUDA target's next batch)."""
+        self.current[category] += nbytes
+        self.total += nbytes
+        self.update_peak()
+        if self.allocator is not None:
+            self.allocator.malloc(key, nbytes, stream)
 
     def stream(self) -> int:
         """The stream an allocation made now is on, as the simulated allocator keys it. On CPU, FSDP2's
@@ -161,6 +176,25 @@ class LiveStorages(TorchDispatchMode):
                 self.timeline.free(key)
             self.current[entry[2]] -= entry[1]
             self.total -= entry[1]
+
+    def _kernel_scratch(self, sizes: tuple[int, ...]) -> None:
+        """Blocks an operator holds while it runs, after its outputs: allocated in order, freed in reverse."""
+        if not sizes:
+            return
+        keys = [("scratch", self.serial, i) for i in range(len(sizes))]
+        for key, n in zip(keys, sizes):
+            if self.allocator is not None:
+                self.allocator.malloc(key, n, self.stream())
+        self.current["activations"] += sum(sizes)
+        self.total += sum(sizes)
+        self.update_peak()
+        self.current["activations"] -= sum(sizes)
+        self.total -= sum(sizes)
+        for key in reversed(keys):
+            if self.allocator is not None:
+                self.allocator.free(key)
+        if self.timeline is not None:
+            self.timeline.scratch(sizes)
 
     def update_peak(self) -> None:
         if self.total > self.peak:
@@ -250,6 +284,8 @@ class LiveStorages(TorchDispatchMode):
                     if id(st) not in self.stand_ins:
                         self.add(st, self.new_category)
             self.update_peak()
+            if self.scratch is not None and not comm:
+                self._kernel_scratch(self.scratch(func, args, kwargs, out))
         if comm and "reduce_scatter" in func.__name__:
             self.grads_pending = True
         return out

@@ -41,8 +41,11 @@ from memfit.measure import CachingAllocatorModel, MemoryTracker, optimizer_state
 from memfit.measure.storages import stepped_params
 from memfit.optim.spec import OptimWrapperSpec
 from memfit.planner.devices import CUBLAS_BLOCKS
+from memfit.planner.kernel_scratch import cuda_scratch
 from memfit.planner.op_counter import OpCounter
 from memfit.planner.space import technique_cfg
+
+INPUT_STREAM = "input copy"  # the simulated allocator's name for the Runner's copy stream
 
 
 @dataclass
@@ -279,6 +282,13 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
             if allocator is not None:  # allocated before the step's first kernels: workspaces, DDP's buckets
                 for i, n in enumerate(CUBLAS_BLOCKS + _chunks(buckets, DDP_BUCKET)):
                     allocator.malloc(("before the step", i), n)
+                live = tracker.live_storages
+                live.scratch = cuda_scratch
+                # The Runner copies each batch to a GPU on a stream of its own, the next one while this step
+                # runs (memfit.data.prefetch): the batch is in that stream's pool, and the next one beside it.
+                live.input_stream = INPUT_STREAM
+                for i, st in enumerate(storages(batch)):
+                    live.hold(("next batch", i), st.nbytes(), "inputs", INPUT_STREAM)
             phases = _Phases(tracker, allocator)
             first = len(allocator.trace) if allocator is not None else 0
             if recorder is not None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from memfit.measure import CachingAllocatorModel
-from memfit.planner.timeline import ALLOC, FREE, OP, Timeline
+from memfit.planner.timeline import ALLOC, FREE, OP, SCRATCH, Timeline
 
 
 @dataclass
@@ -98,6 +98,8 @@ def compose(tl: Timeline, regions: Iterable[str], selective: bool = False,
         at = free.get(uid, end)
         if at < end:
             items.append((*at, False, uid, 0, False))
+    for i, sizes in ix.scratch:
+        _scratch(items, (i, 0), 0, ("scratch", i), sizes)
     return replace(_replay(tl, items, flops, ops, written, epilogue), recompute_ops=recompute_ops)
 
 
@@ -124,18 +126,22 @@ def _recompute(tl: Timeline, c: int, frame: int, selective: bool, items: list[tu
             hold(uid, (frame, 1, 0))
         elif any(ix.alloc_at[uid] < w < at for w in ix.writes.get(uid, ())):
             raise CachedTensorMutated("Tensor cached during selective activation checkpoint has been mutated")
-    needed: dict[int, int] = {}  # uid -> when its last holder in this call is released
+    # uid -> when the recomputed tensor is let go: checkpoint hands it to the backward function that unpacks it
+    # and keeps no reference (freed when that function returns); one never unpacked stays with its holder.
+    needed: dict[int, int] = {}
     for h in hids:
         uid = ix.saved[h][0]
         if uid is not None:
-            needed[uid] = max(needed.get(uid, -1), ix.release(h))
+            needed[uid] = max(needed.get(uid, -1), ix.dropped.get(h, ix.release(h)))
     ops += sum(ix.saved[h][3] for h in hids)  # the recomputation's hook detaches what requires grad
     flops = written = seq = 0
     made: list[int] = []
     live: set[int] = set()
-    for ev in tl.events[start + 1:last]:
+    for i, ev in enumerate(tl.events[start + 1:last], start + 1):
         kind = ev[0]
-        if kind == OP:
+        if kind == SCRATCH:
+            seq = _scratch(items, (at, -1), seq, (c, "scratch", i), ev[1])
+        elif kind == OP:
             if not (selective and ev[3]):  # a kept operator is not run again
                 flops, ops, written = flops + ev[1], ops + 1, written + ev[2]
         elif kind == ALLOC and not ev[3]:
@@ -163,6 +169,16 @@ def _recompute(tl: Timeline, c: int, frame: int, selective: bool, items: list[tu
     return flops, ops, written
 
 
+def _scratch(items: list[tuple], at: tuple[int, int], seq: int, key: tuple, sizes: tuple[int, ...]) -> int:
+    """An operator's kernel scratch as items at ``at`` from ``seq`` on: its blocks allocated, then freed in
+    reverse; the last seq used."""
+    for j, n in enumerate(sizes):
+        items.append((*at, seq + 1 + j, True, (*key, j), n, False))
+    for j in reversed(range(len(sizes))):
+        items.append((*at, seq + 2 * len(sizes) - j, False, (*key, j), 0, False))
+    return seq + 2 * len(sizes)
+
+
 def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int,
             epilogue: list[tuple[int, int | None]] | None = None) -> Composed:
     """The tracker's accounting over the composed allocations and frees: the peak is taken after each
@@ -172,12 +188,7 @@ def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int
     items.sort(key=lambda it: it[:3])
     allocator = None
     if tl.prefix is not None:
-        allocator = CachingAllocatorModel()
-        for key, n in tl.prefix:
-            if n is None:
-                allocator.free(key)
-            else:
-                allocator.malloc(key, n)
+        allocator = CachingAllocatorModel.rerun(*tl.prefix)
     total = peak = tl.start
     first = len(allocator.trace) if allocator is not None else 0
     sizes: dict[Any, int] = {}
@@ -189,7 +200,7 @@ def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int
                 peak += n
             peak = max(peak, total)
             if allocator is not None:
-                allocator.malloc(("step", key), n)
+                allocator.malloc(("step", key), n, tl.streams.get(key, 0))
         else:
             total -= sizes.pop(key)
             if allocator is not None:

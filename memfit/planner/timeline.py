@@ -12,6 +12,7 @@ saved each tensor, when each saved tensor is unpacked and released, and the regi
 from __future__ import annotations
 
 import weakref
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -34,6 +35,10 @@ RELEASE = 5  # (RELEASE, hid): autograd dropped what it saved
 ENTER = 6  # (ENTER, call, input uids): a region's forward began (``calls[call]`` is its module's name)
 EXIT = 7  # (EXIT, call)
 WRITE = 8  # (WRITE, uid): an in-place operator wrote to the storage
+SCRATCH = 9  # (SCRATCH, sizes): the operator just counted took blocks of these bytes while it ran (CUDA targets)
+# (DROP, hid): what the unpack of ``hid`` handed backward died (the backward function that asked for it returned:
+# where checkpointing frees a recomputed tensor, before autograd sums a broadcast gradient and releases the rest)
+DROP = 10
 
 
 class _Saved:
@@ -51,12 +56,14 @@ class _Saved:
 @dataclass
 class Timeline:
     """One recorded forward/backward (see the module docstring). ``start``: tracked bytes alive when the
-    recording began; ``prefix``: the simulated CUDA allocator's calls before it (None without one);
+    recording began; ``prefix``: the simulated CUDA allocator's calls before it (``CachingAllocatorModel.calls``;
+    None without one); ``streams``: the streams of allocations not on the current one;
     ``calls``: the module name of each region call; ``parents``: the calls enclosing each call."""
 
     events: list[tuple] = field(default_factory=list)
     start: int = 0
-    prefix: list[tuple] | None = None
+    prefix: tuple[list[tuple], dict[int, Hashable]] | None = None
+    streams: dict[int, Hashable] = field(default_factory=dict)  # uid -> the stream it was allocated on, if not 0
     calls: list[str] = field(default_factory=list)
     parents: list[tuple[int, ...]] = field(default_factory=list)
 
@@ -92,9 +99,11 @@ class Recorder:
         self._written: dict[Any, tuple[int, ...]] = {}  # op -> the positions of the arguments it writes
 
     # -- the tracker's allocations and frees --------------------------------------------------------------
-    def alloc(self, key: int, nbytes: int, retroactive: bool) -> None:
+    def alloc(self, key: int, nbytes: int, retroactive: bool, stream: Hashable = 0) -> None:
         self._next += 1
         self._uids[key] = self._next
+        if stream != 0:
+            self.timeline.streams[self._next] = stream
         if not retroactive:
             self._fresh.add(self._next)
         self.events.append((ALLOC, self._next, nbytes, retroactive))
@@ -103,6 +112,9 @@ class Recorder:
         uid = self._uids.pop(key, None)
         if uid is not None:
             self.events.append((FREE, uid))
+
+    def scratch(self, sizes: tuple[int, ...]) -> None:
+        self.events.append((SCRATCH, tuple(sizes)))
 
     def observe(self, counter: Any) -> Any:
         """``counter`` (the planner's operator counter) as an observer that also records each operator."""
@@ -145,10 +157,14 @@ class Recorder:
         self._refs[hid] = weakref.ref(saved, lambda r, hid=hid: self._release(hid))
         # An operator's output saved for backward (the operator's allocation just before): without hooks, autograd
         # saves it through a detach, an operator the step runs that the recording does not.
-        last = self.events[-1] if self.events else None
+        last = next((ev for ev in reversed(self.events) if ev[0] != SCRATCH), None)
         output = uid is not None and last is not None and last[0] == ALLOC and last[1] == uid
         self.events.append((PACK, hid, uid, self._calls, t.requires_grad, output))
         return saved
+
+    def _dropped(self, hid: int) -> None:
+        if self._hooks is not None:  # while recording
+            self.events.append((DROP, hid))
 
     def _release(self, hid: int) -> None:
         if self._refs.pop(hid, None) is not None:
@@ -169,6 +185,7 @@ class Recorder:
         key = self._unpacked = id(st)
         self.mode.stand_ins.add(key)  # backward's operators take it: not an input alive before the step
         weakref.finalize(st, self.mode.stand_ins.discard, key)
+        weakref.finalize(st, self._dropped, saved.hid)
         return t
 
     # -- region calls ----------------------------------------------------------------------------------------
@@ -190,7 +207,7 @@ class Recorder:
         from functools import partial
 
         self.timeline.start = self.mode.total
-        self.timeline.prefix = list(self.allocator.trace) if self.allocator is not None else None
+        self.timeline.prefix = self.allocator.calls() if self.allocator is not None else None
         self.mode.timeline = self
         for name, module in self.regions.items():
             self._handles.append(module.register_forward_pre_hook(partial(self._enter, name), with_kwargs=True))
@@ -201,6 +218,7 @@ class Recorder:
 
     def __exit__(self, *exc: Any) -> None:
         self._hooks.__exit__(*exc)
+        self._hooks = None
         for h in self._handles:
             h.remove()
         self.mode.timeline = None
@@ -217,10 +235,12 @@ class _Index:
         self.detached: set[int] = set()  # hids whose unpack autograd detached
         self.unpacked: dict[int, int] = {}  # hid -> first unpack
         self.released: dict[int, int] = {}
+        self.dropped: dict[int, int] = {}  # hid -> when what its last unpack handed backward died
         self.enter: dict[int, tuple[int, tuple[int, ...]]] = {}  # call -> index, input uids
         self.exit: dict[int, int] = {}
         self.packs: dict[int, list[int]] = {}  # call -> hids saved inside it
         self.allocs: list[tuple[int, int, int, bool]] = []  # (index, uid, nbytes, retroactive)
+        self.scratch: list[tuple[int, tuple[int, ...]]] = []  # (index, sizes)
         self.alloc_at: dict[int, int] = {}
         self.cached: set[int] = set()  # uids made by an operator selective checkpointing keeps
         self.writes: dict[int, list[int]] = {}  # uid -> indices of in-place writes to it
@@ -236,6 +256,8 @@ class _Index:
             elif kind == OP:
                 self.flops, self.ops, self.written = self.flops + ev[1], self.ops + 1, self.written + ev[2]
                 kept = ev[3]
+            elif kind == SCRATCH:
+                self.scratch.append((i, ev[1]))
             elif kind == WRITE:
                 self.writes.setdefault(ev[1], []).append(i)
             elif kind == FREE:
@@ -254,6 +276,8 @@ class _Index:
                     self.detached.add(ev[1])
             elif kind == RELEASE:
                 self.released[ev[1]] = i
+            elif kind == DROP:
+                self.dropped[ev[1]] = i
             elif kind == ENTER:
                 self.enter[ev[1]] = (i, ev[2])
             elif kind == EXIT:

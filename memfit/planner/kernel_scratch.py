@@ -1,0 +1,187 @@
+"""Scratch memory CUDA kernels take from the caching allocator while they run, which a fake CPU step does
+not: the planner adds it to a CUDA target's step (:class:`memfit.measure.live_storages.LiveStorages`'s
+``scratch``), allocated after the operator's outputs and freed when the operator returns.
+
+One kernel family so far, the largest in vision training: ATen's sums and means
+(``aten/src/ATen/native/cuda/Reduce.cuh``). When a reduction's few outputs each sum many inputs (a bias
+gradient: a linear layer's output gradient summed over batch and tokens), the kernel splits every output's
+inputs over several thread blocks and stages their partial sums in a global buffer of fp32 values
+(``ReduceConfig::global_memory_size``) plus a semaphore per output block. ViT-S/16 at batch 32: 74 MiB for
+each MLP's first bias gradient, freed at once but counted in ``max_memory_allocated``.
+
+Our own port because torch exposes no way to ask a CUDA kernel's launch configuration without a GPU: the
+arithmetic of ``setReduceConfig`` and of TensorIterator's dimension order, for an H100's 132 SMs of 2,048
+threads (other GPUs differ only where the SM count caps the split, at larger outputs than a bias's). Checked
+against the buffers in the H100 allocator traces (tests/planner/test_kernel_scratch.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_MAX_THREADS = 512  # mnt_wrapper<scalar_t>::MAX_NUM_THREADS (256 for complex double only)
+_WARP = 32
+_SMS, _THREADS_PER_SM = 132, 2048  # H100 SXM
+_MIN_VALUES, _MAX_VALUES = 16, 256  # min_values_per_thread, max_values_per_thread
+_INPUT_VEC = 4  # ReduceConfig::input_vec_size
+
+_aten = torch.ops.aten
+# Sums and means over dims (args: input, dim, ...) and over every element (args: input): Reduce.cuh's
+# gpu_reduce_kernel, accumulating in fp32 (double for double inputs). Other reductions (amax, norms) use it
+# too, with other accumulators; the traces show none of them in a training step.
+_OVER_DIMS = frozenset({_aten.sum.dim_IntList, _aten.mean.dim})
+_OVER_ALL = frozenset({_aten.sum.default, _aten.mean.default})
+
+
+def cuda_scratch(func: Any, args: tuple, kwargs: dict | None, out: Any) -> tuple[int, ...]:
+    """Bytes of the scratch blocks ``func`` takes on a CUDA device for these arguments (in allocation order;
+    freed in reverse when it returns); empty when it takes none."""
+    if func in _OVER_DIMS:
+        x = args[0]
+        dim = args[1] if len(args) > 1 else (kwargs or {}).get("dim")
+    elif func in _OVER_ALL:
+        x, dim = args[0], None
+    else:
+        return ()
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
+        return ()
+    dims = _dims(dim, x.dim())
+    return reduce_scratch(tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.element_size(), dims,
+                          8 if x.dtype == torch.float64 else 4)
+
+
+def _dims(dim: Any, ndim: int) -> tuple[int, ...]:
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return tuple(range(ndim))
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    return tuple(sorted({d % max(ndim, 1) for d in dims}))
+
+
+def reduce_scratch(shape: tuple[int, ...], stride: tuple[int, ...], offset: int, itemsize: int,
+                   dims: tuple[int, ...], acc_size: int = 4) -> tuple[int, ...]:
+    """``(staging buffer, semaphores)`` bytes of a Reduce.cuh reduction of a tensor (``shape``, ``stride``
+    and ``offset`` in elements of ``itemsize`` bytes) over ``dims``, accumulating in ``acc_size``-byte values;
+    empty where its configuration needs no global reduction."""
+    red_shape, in_strides, reduced = _iterator(shape, [s * itemsize for s in stride], dims)
+    if not red_shape:
+        return ()
+    numel = 1
+    for n in red_shape:
+        numel *= n
+    num_reduce = sum(reduced)
+    num_outputs = numel
+    for n, r in zip(red_shape, reduced):
+        if r:
+            num_outputs //= n
+    inputs_per_output = numel // num_outputs
+    ndim = len(red_shape)
+    on_fastest = num_reduce == ndim or in_strides[0] < in_strides[num_reduce]
+    if on_fastest:
+        dim0, dim1, fastest = inputs_per_output, num_outputs, in_strides[0]
+    else:
+        dim0, dim1, fastest = num_outputs, inputs_per_output, in_strides[num_reduce]
+    output_vec = 1
+    if fastest == itemsize:
+        if on_fastest and dim0 > 128 and num_reduce == 1:  # vectorised along the input
+            dim0 //= _INPUT_VEC
+        elif not on_fastest:  # vectorised along the output
+            output_vec = _output_vec_size(offset, red_shape[num_reduce],
+                                          [s // itemsize for i, s in enumerate(in_strides) if i != num_reduce])
+            dim0 //= output_vec
+    max_threads = _MAX_THREADS // output_vec
+    dim0_pow2 = _last_pow2(dim0) if dim0 < max_threads else max_threads
+    dim1_pow2 = _last_pow2(dim1) if dim1 < max_threads else max_threads
+    width = min(dim0_pow2, _WARP)
+    height = min(dim1_pow2, max_threads // width)
+    width = min(dim0_pow2, max_threads // height)
+    threads = width * height
+    step_input = step_output = 1
+    block_x_reduce = on_fastest
+    if on_fastest:
+        step_input *= width
+    else:
+        step_output *= width
+    values = -(-inputs_per_output // step_input)
+    block_y_reduce = values >= height * 16 or values >= _MAX_VALUES
+    if block_y_reduce:
+        step_input *= height
+    else:
+        step_output *= height
+    values = -(-inputs_per_output // step_input)
+    grid = -(-(num_outputs // output_vec) // step_output)
+    target = _SMS * (_THREADS_PER_SM // threads)
+    if not (block_y_reduce and values >= _MAX_VALUES and grid <= target):
+        return ()
+    ctas = max(min(-(-target // grid), -(-values // _MIN_VALUES)), -(-values // _MAX_VALUES))
+    if ctas <= 1:
+        return ()
+    staging = acc_size * num_outputs * ctas * (1 if block_x_reduce else width * output_vec)
+    return staging, 4 * grid
+
+
+def _iterator(shape: tuple[int, ...], strides: list[int], dims: tuple[int, ...]
+              ) -> tuple[list[int], list[int], list[bool]]:
+    """TensorIterator's view of a reduction (``reorder_dimensions`` then ``coalesce_dimensions``): the shape,
+    the input's byte strides and which dims are reduced, fastest first; reduced dims lead."""
+    red = set(dims)
+    out_strides, acc = [0] * len(shape), 1  # the output: contiguous over the kept dims, 0 over the reduced
+    for d in reversed(range(len(shape))):
+        if d not in red:
+            out_strides[d], acc = acc, acc * shape[d]
+    perm = list(range(len(shape)))[::-1]
+
+    def should_swap(d0: int, d1: int) -> int:  # TensorIterator's, output first (its stride-0 dims lead)
+        if (out_strides[d0] == 0) != (out_strides[d1] == 0):
+            return 1 if out_strides[d1] == 0 else -1
+        for st in (out_strides, strides):
+            s0, s1 = st[d0], st[d1]
+            if s0 == 0 or s1 == 0:
+                continue
+            if s0 != s1:
+                return -1 if s0 < s1 else 1
+            if shape[d0] > shape[d1]:
+                return 1
+        return 0
+
+    for i in range(1, len(perm)):  # insertion sort with ambiguous comparisons, as TensorIterator does
+        d1 = i
+        for d0 in range(i - 1, -1, -1):
+            c = should_swap(perm[d0], perm[d1])
+            if c > 0:
+                perm[d0], perm[d1] = perm[d1], perm[d0]
+                d1 = d0
+            elif c < 0:
+                break
+    sh = [shape[d] for d in perm]
+    ops = [[out_strides[d] for d in perm], [strides[d] for d in perm]]
+    if not sh:
+        return [], [], []
+    prev = 0
+    for d in range(1, len(sh)):
+        if sh[prev] == 1 or sh[d] == 1 or all(sh[prev] * st[prev] == st[d] for st in ops):
+            if sh[prev] == 1:
+                for st in ops:
+                    st[prev] = st[d]
+            sh[prev] *= sh[d]
+        else:
+            prev += 1
+            if prev != d:
+                for st in ops:
+                    st[prev] = st[d]
+                sh[prev] = sh[d]
+    n = prev + 1
+    return sh[:n], ops[1][:n], [s == 0 for s in ops[0][:n]]
+
+
+def _output_vec_size(offset: int, outputs_fastest: int, strides: list[int]) -> int:
+    vec = 4
+    for n in (offset, outputs_fastest, *strides):
+        while n % vec:
+            vec //= 2
+    return vec
+
+
+def _last_pow2(n: int) -> int:
+    return max(1, 1 << (max(n, 1).bit_length() - 1))
