@@ -68,7 +68,7 @@ CASES: list[tuple[str, str, list[str], str]] = [
 ]
 # The cases whose allocator trace ``measure --trace`` records (two steps from an empty allocator).
 TRACED = ("vit-l bf16 mb64x1", "vit-l bf16 ac:blocks mb64x1", "vit-l bf16 ac:every2 mb64x1",
-          "deit-b bf16 offload:optimizer")
+          "deit-b bf16 offload:optimizer", "swin-b bf16 fsdp (one rank)")
 
 
 def _config(spec: str, options: list[str], data: Path) -> dict:

@@ -2,13 +2,14 @@
 # The planner's GPU checks in one call (about 5 min on an H100), run from the repository root on a machine whose
 # python3 has torch, timm and scipy (memfit itself from this checkout, on PYTHONPATH):
 #   OUT=DIR bash benchmarks/gpu_slot.sh [CASES]   # CASES: gpu_calibration.py case indices (default: DINO's rows
-#                                                 # 1-6 with the Triton kernel, and DeiT-B's optimizer offload)
+#                                                 # 1-6 with the Triton kernel, Swin-B under FSDP at one rank and
+#                                                 # DeiT-B's optimizer offload)
 # Writes DIR/gpu_slot.tgz: this GPU's step-time profile (memfit bench --calibrate), gpu_calibration.py's
 # measurements of CASES (and the allocator traces of its TRACED cases), the deformable-attention kernel against
 # grid_sample (benchmarks/deform_check.py), and the installed allocator's replay test.
 set -u
 OUT=${OUT:-benchmarks/results/gpu_slot}
-CASES=${1:-12,13,14,15,16,17,27}
+CASES=${1:-12,13,14,15,16,17,26,27}
 W=$(mktemp -d)
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1

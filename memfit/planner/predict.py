@@ -34,6 +34,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from memfit.errors import ConfigError
 from memfit.measure import CachingAllocatorModel
@@ -279,13 +280,15 @@ class _Composer:
         if shard.epilogue is None or not self.device.cuda:
             return act
         epilogue = [] if plan.offload != "none" else shard.epilogue
-        # Steps whose optimizer allocates the same (the anchors of one sharding) share their two steps.
-        key = self.epilogues.setdefault(id(shard), (hash(tuple(shard.epilogue)), len(shard.epilogue)))
-        out = self._two_steps(plan, mb, epilogue, (len(epilogue) and key,))
+        # Steps whose optimizer allocates the same (the anchors of one sharding) share their two steps; every
+        # offloaded optimizer's (an empty epilogue) are one.
+        same_optimizer = self.epilogues.setdefault(id(shard), (hash(tuple(shard.epilogue)), len(shard.epilogue)))
+        key = same_optimizer if epilogue else None
+        out = self._two_steps(plan, mb, epilogue, key)
         if out is None:
             return act
         if plan.sharding in ("fsdp", "zero2"):
-            ref = self._two_steps(self._ref(plan), self.ref.micro_batch, epilogue, (len(epilogue) and key,))
+            ref = self._two_steps(self._ref(plan), self.ref.micro_batch, epilogue, key)
             extra = (shard.cuda_reserved - shard.cuda_allocated) - (ref.cuda_reserved - ref.cuda_allocated) if ref \
                 else 0
             out = replace(out, cuda_reserved=out.cuda_reserved + max(0, extra))
@@ -301,26 +304,29 @@ class _Composer:
         slack = (run.cuda_reserved - run.cuda_allocated) * plan.micro_batch // slack_mb
         return replace(run, cuda_reserved=run.cuda_allocated + slack)
 
-    def _two_steps(self, plan: Plan, mb: int, epilogue: list, key: tuple) -> StepMeasurement | None:
+    def _two_steps(self, plan: Plan, mb: int, epilogue: list, key: Any) -> StepMeasurement | None:
         """The simulated allocator's figures of two training steps of ``plan``'s activations at micro-batch
-        ``mb`` with ``epilogue`` (see :meth:`_allocator_run`); None where no allocator calls were kept."""
+        ``mb`` with ``epilogue`` (see :meth:`_allocator_run`; ``key`` names the epilogue); None where no
+        allocator calls were kept."""
         act = self._act(plan, mb)
-        if not self._composes(plan.activation_checkpointing):  # the run's own allocator calls
+        full_key = ("two steps", _half(plan), plan.activation_checkpointing, plan.efficient_conv_bn_eval,
+                    plan.channels_last, mb, key)
+        if full_key in self.composed:
+            out = self.composed[full_key]
+        elif not self._composes(plan.activation_checkpointing):  # the run's own allocator calls
             if act.allocator_calls is None:
                 return None
             first, (trace, streams) = act.allocator_calls
             allocator = CachingAllocatorModel.rerun(trace, streams)
             allocator.finish_steps(first, epilogue, allocator.held_since(first))
-            return replace(act, cuda_allocated=allocator.peak_allocated, cuda_reserved=allocator.peak_reserved,
-                           cuda_requested=allocator.peak_requested)
-        recorded = self._recorded(plan, mb)  # _act asked for it
-        if recorded.timeline is None:
-            return None
-        full_key = ("two steps", _half(plan), plan.activation_checkpointing, plan.efficient_conv_bn_eval,
-                    plan.channels_last, mb, *key)
-        if full_key not in self.composed:
-            self.composed[full_key] = self._compose(recorded, plan.activation_checkpointing, epilogue)
-        out = self.composed[full_key]
+            out = self.composed[full_key] = replace(act, cuda_allocated=allocator.peak_allocated,
+                                                    cuda_reserved=allocator.peak_reserved,
+                                                    cuda_requested=allocator.peak_requested)
+        else:
+            recorded = self._recorded(plan, mb)  # _act asked for it
+            if recorded.timeline is None:
+                return None
+            out = self.composed[full_key] = self._compose(recorded, plan.activation_checkpointing, epilogue)
         return None if isinstance(out, StepFailed) else out
 
     def configured_fb(self, configured: Plan) -> StepMeasurement:
