@@ -42,6 +42,9 @@ class LiveStorages(TorchDispatchMode):
         self.total = 0
         self.peak = 0
         self.peak_breakdown = dict(self.current)
+        # The peak of all but the gradients: what a later micro-step of gradient accumulation adds to the whole
+        # gradients it finds (its own accumulate in place), wherever in its backward that is.
+        self.peak_without_grads = 0
         self.serial = 0
         self.peak_serial = 0
         self.host = 0
@@ -108,6 +111,7 @@ class LiveStorages(TorchDispatchMode):
         if retroactive:  # alive since before entry: every earlier moment, the peak included, held it
             self.peak += n
             self.peak_breakdown[category] += n
+            self.peak_without_grads += n if category != "gradients" else 0
 
     def hold(self, key: Hashable, nbytes: int, category: str, stream: Hashable) -> None:
         """``nbytes`` held from now to the end, which no tensor of the step shows (a CUDA target's next batch)."""
@@ -130,6 +134,9 @@ class LiveStorages(TorchDispatchMode):
         entry = self.live.get(id(st))
         if entry is None:
             self.add(st, category)
+        if category == "gradients" and self.timeline is not None:
+            self.timeline.gradient(id(st))
+        if entry is None:
             return
         old = entry[2]
         if old == category or (only_from is not None and old not in only_from) or old == HOST:
@@ -197,6 +204,7 @@ class LiveStorages(TorchDispatchMode):
             self.timeline.scratch(sizes)
 
     def update_peak(self) -> None:
+        self.peak_without_grads = max(self.peak_without_grads, self.total - self.current["gradients"])
         if self.total > self.peak:
             self.peak = self.total
             self.peak_breakdown = dict(self.current)
@@ -216,6 +224,7 @@ class LiveStorages(TorchDispatchMode):
         self.peak = self.total
         self.peak_breakdown = dict(self.current)
         self.peak_serial = self.serial
+        self.peak_without_grads = self.total - self.current["gradients"]
         # Storage.resize_ bypasses the dispatcher (FSDP2 allocates and frees its unsharded parameters
         # with it); torch's MemTracker patches it the same way.
         self._orig_resize = orig = torch.UntypedStorage.resize_

@@ -87,6 +87,8 @@ class StepMeasurement:
     epilogue: list[tuple[int, int | None]] | None = None
     # A composed run: the bytes its allocator replay requested at their peak (rounding is allocated less these).
     cuda_requested: int = 0
+    # A forward/backward run: the peak of all but the gradients (what a later micro-step adds to whole gradients).
+    peak_without_grads: int = 0
     # A forward/backward run on a CUDA target: where its step began in the simulated allocator's calls, and
     # the calls (CachingAllocatorModel.calls), for a replay of two steps (memfit.planner.predict).
     allocator_calls: tuple[int, tuple] | None = None
@@ -300,6 +302,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
                         model.train_step(batch, optim_wrapper=wrapper)
             finally:  # its optimizer hooks are global: a step that failed must not leave them behind
                 overall = phases.close()
+            fb_without_grads = tracker.live_storages.peak_without_grads
         if full and steps == 1:
             # Every later forward/backward runs beside the optimizer state the first step created (and
             # is otherwise the same): add it rather than run a second step.
@@ -327,7 +330,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
                            cuda_allocated=allocator.peak_allocated if allocator else 0,
                            cuda_reserved=allocator.peak_reserved if allocator else 0,
                            timeline=recorder.timeline if recorder is not None else None,
-                           host_peak=tracker.host_peak_bytes,
+                           host_peak=tracker.host_peak_bytes, peak_without_grads=0 if full else fb_without_grads,
                            step_tensors=len(stepped_params(tracker.optimizer)) if full else 0)
 
 

@@ -265,6 +265,7 @@ class _Composer:
         conv = int(k.flops * recorded.conv_flops / recorded.flops) if recorded.flops else 0
         attn = int(k.flops * recorded.attn_flops / recorded.flops) if recorded.flops else 0
         return StepMeasurement(k.peak, {}, Phase(k.peak, {}), Phase(), flops=k.flops, ops=k.ops, written=k.written,
+                               peak_without_grads=k.peak_without_grads,
                                cuda_allocated=k.cuda_allocated, cuda_reserved=k.cuda_reserved, conv_flops=conv,
                                cuda_requested=k.cuda_requested, recompute_ops=k.recompute_ops, attn_flops=attn)
 
@@ -371,9 +372,11 @@ class _Composer:
                                           accumulative_counts=k), full=True, steps=1)
             fb_grads = 0
             if accumulates and k == 1:
-                # DDP and ZeRO-1 accumulate into whole gradients that stay through every later micro-step,
-                # where the reference step held only those produced so far at its peak.
-                fb_grads = self.grad_bytes - shard.forward_backward.breakdown.get("gradients", 0)
+                # DDP and ZeRO-1 accumulate into whole gradients that stay through every later micro-step, which
+                # adds to them the peak of all its forward/backward holds but its own gradients (those accumulate in
+                # place), wherever in backward that falls (checkpointing moves it).
+                act = self._act(plan, slack_mb)
+                fb_grads = self.grad_bytes - (act.forward_backward.peak - act.peak_without_grads)
             results.append(plan_result(plan, shard, micro, self.device, self.world, k,
                                    fb_delta=peak - self._line(ref, mb)[0], fb_grads=fb_grads,
                                    allocator_run=self._slack_at(plan, slack_mb, shard)))

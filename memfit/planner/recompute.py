@@ -44,6 +44,7 @@ class Composed:
     cuda_reserved: int = 0
     cuda_requested: int = 0  # with an epilogue: the bytes the two steps requested at their peak
     recompute_ops: int = 0  # of ``ops``: the recomputations' (and their saved tensors' detaches)
+    peak_without_grads: int = 0  # the peak of all but the gradients (LiveStorages.peak_without_grads)
 
 
 class CachedTensorMutated(RuntimeError):
@@ -100,6 +101,7 @@ def compose(tl: Timeline, regions: Iterable[str], selective: bool = False,
             items.append((*at, False, uid, 0, False))
     for i, sizes in ix.scratch:
         _scratch(items, (i, 0), 0, ("scratch", i), sizes)
+    items += [(i, 1, 0, None, uid, 0, False) for i, uid in ix.grads]  # is_alloc None: it became a gradient
     return replace(_replay(tl, items, flops, ops, written, epilogue), recompute_ops=recompute_ops)
 
 
@@ -189,26 +191,37 @@ def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int
     allocator = None
     if tl.prefix is not None:
         allocator = CachingAllocatorModel.rerun(*tl.prefix)
-    total = peak = tl.start
+    total = peak = peak_ng = tl.start
+    grads = 0  # the bytes of storages that became gradients
+    gradients: set[Any] = set()
     first = len(allocator.trace) if allocator is not None else 0
     sizes: dict[Any, int] = {}
     for _, _, _, is_alloc, key, n, retro in items:
-        if is_alloc:
+        if is_alloc is None:
+            if key in sizes and key not in gradients:
+                gradients.add(key)
+                grads += sizes[key]
+        elif is_alloc:
             sizes[key] = n
             total += n
             if retro:
-                peak += n
-            peak = max(peak, total)
+                peak, peak_ng = peak + n, peak_ng + n
+            peak, peak_ng = max(peak, total), max(peak_ng, total - grads)
             if allocator is not None:
                 allocator.malloc(("step", key), n, tl.streams.get(key, 0))
         else:
-            total -= sizes.pop(key)
+            freed = sizes.pop(key)
+            total -= freed
+            if key in gradients:
+                gradients.discard(key)
+                grads -= freed
             if allocator is not None:
                 allocator.free(("step", key))
     if allocator is None:
-        return Composed(peak, flops, ops, written)
+        return Composed(peak, flops, ops, written, peak_without_grads=peak_ng)
     requested = 0
     if epilogue is not None:
         allocator.finish_steps(first, epilogue, allocator.held_since(first))
         requested = allocator.peak_requested
-    return Composed(peak, flops, ops, written, allocator.peak_allocated, allocator.peak_reserved, requested)
+    return Composed(peak, flops, ops, written, allocator.peak_allocated, allocator.peak_reserved, requested,
+                    peak_without_grads=peak_ng)

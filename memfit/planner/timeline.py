@@ -39,6 +39,7 @@ SCRATCH = 9  # (SCRATCH, sizes): the operator just counted took blocks of these 
 # (DROP, hid): what the unpack of ``hid`` handed backward died (the backward function that asked for it returned:
 # where checkpointing frees a recomputed tensor, before autograd sums a broadcast gradient and releases the rest)
 DROP = 10
+GRAD = 11  # (GRAD, uid): the storage became a parameter's gradient
 
 
 class _Saved:
@@ -112,6 +113,12 @@ class Recorder:
         uid = self._uids.pop(key, None)
         if uid is not None:
             self.events.append((FREE, uid))
+
+    def gradient(self, key: int) -> None:
+        """Storage ``key`` became a gradient (autograd accumulated it into a parameter's ``.grad``)."""
+        uid = self._uids.get(key)
+        if uid is not None:
+            self.events.append((GRAD, uid))
 
     def scratch(self, sizes: tuple[int, ...]) -> None:
         self.events.append((SCRATCH, tuple(sizes)))
@@ -241,6 +248,7 @@ class _Index:
         self.packs: dict[int, list[int]] = {}  # call -> hids saved inside it
         self.allocs: list[tuple[int, int, int, bool]] = []  # (index, uid, nbytes, retroactive)
         self.scratch: list[tuple[int, tuple[int, ...]]] = []  # (index, sizes)
+        self.grads: list[tuple[int, int]] = []  # (index, uid) where a storage became a gradient
         self.alloc_at: dict[int, int] = {}
         self.cached: set[int] = set()  # uids made by an operator selective checkpointing keeps
         self.writes: dict[int, list[int]] = {}  # uid -> indices of in-place writes to it
@@ -278,6 +286,8 @@ class _Index:
                 self.released[ev[1]] = i
             elif kind == DROP:
                 self.dropped[ev[1]] = i
+            elif kind == GRAD:
+                self.grads.append((i, ev[1]))
             elif kind == ENTER:
                 self.enter[ev[1]] = (i, ev[2])
             elif kind == EXIT:

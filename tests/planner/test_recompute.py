@@ -63,6 +63,7 @@ def _compare(cfg: dict, batch, choices: tuple[str, ...]) -> None:
             assert abs(composed.cuda_allocated - measured.cuda_allocated) <= SLACK, what
             assert composed.cuda_reserved == measured.cuda_reserved, what
             assert (composed.flops, composed.written) == (measured.flops, measured.written), what
+            assert composed.peak_without_grads == measured.peak_without_grads, what
             assert composed.ops == pytest.approx(measured.ops, rel=0.05), what
             if choice == "blocks":  # it is a different step: recomputation costs FLOPs and saves memory
                 assert composed.flops > compose(timeline, ()).flops

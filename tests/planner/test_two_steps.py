@@ -46,7 +46,8 @@ def test_the_second_step_finds_the_state_in_the_first_steps_segments():
 VIT = dict(type="TimmClassifier", model_name="vit_base_patch16_224", num_classes=4, img_size=224, patch_size=16,
            embed_dim=256, depth=2, num_heads=4, drop_path_rate=0.0)
 ROWS = ("bf16 ac:blocks mb16x1", "bf16 ac:every2 mb16x1", "fp32 mb16x1", "bf16 offload:optimizer mb16x1",
-        "bf16 fsdp mb16x1")
+        "bf16 fsdp mb16x1", "bf16 ac:blocks mb8x2")
+ACCUMULATING = ("bf16 ac:blocks mb8x2",)  # its simulated steps do not accumulate: reserved near its own
 SMALLER = ("bf16 mb8x2", "bf16 mb4x4")  # the composer's other micro-batch is 8, half the configured 16
 
 
@@ -73,8 +74,12 @@ def rows():
 def test_a_composed_row_is_its_own_fake_step(rows, words):
     row, own = rows[words]
     assert row.source == "composed" and own.source == "measured"
+    # Accumulating: the later micro-steps add to the whole gradients the peak of all else their forward/backward
+    # holds, wherever it falls (taking the reference's gradients at its peak instead was +1.9% for this row).
     assert abs(row.allocated - own.allocated) <= 1024, words
-    if "fsdp" in words:  # FSDP's buffers and streams: its step's own slack beyond the reference activations'
+    if words in ACCUMULATING:
+        assert row.reserved == pytest.approx(own.reserved, rel=0.03), words
+    elif "fsdp" in words:  # FSDP's buffers and streams: its step's own slack beyond the reference activations'
         assert row.reserved == pytest.approx(own.reserved, rel=0.03), words
     else:  # a scalar's bytes apart: tracked peaks differ by a few bytes
         assert abs(row.reserved - own.reserved) <= 1024, words
