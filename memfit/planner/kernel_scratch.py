@@ -11,8 +11,10 @@ each MLP's first bias gradient, freed at once but counted in ``max_memory_alloca
 
 Our own port because torch exposes no way to ask a CUDA kernel's launch configuration without a GPU: the
 arithmetic of ``setReduceConfig`` and of TensorIterator's dimension order, for an H100's 132 SMs of 2,048
-threads (other GPUs differ only where the SM count caps the split, at larger outputs than a bias's). Checked
-against the buffers in the H100 allocator traces (tests/planner/test_kernel_scratch.py).
+threads, for every CUDA target. The SM count caps the split where the batch is large (ViT-L at batch 64: 66
+blocks per output on an H100); a GPU with fewer SMs splits less and stages less, so other targets are
+over-predicted, by at most the ratio of their SMs' threads (about a quarter on a 4090). Checked against the
+buffers in the H100 allocator traces (tests/planner/test_cuda_traces.py).
 """
 
 from __future__ import annotations
