@@ -57,19 +57,22 @@ class Device:
     efficiency: float = 0.5  # fraction of peak FLOPs vision training reaches
     cuda: bool = True
     family: str = ""
+    # (streaming multiprocessors, resident threads per SM): how far CUDA kernels split their work, and so the
+    # scratch some take (memfit.planner.kernel_scratch). Data sheets and CUDA's compute-capability tables.
+    sms: tuple[int, int] = (132, 2048)
 
     def dtype_tflops(self, precision: str) -> float | None:
         return self.tflops.get(precision)
 
 
 def _gpu(name: str, gib: float, fp32: float, half: float, mem_bw: float, link_bw: float, host_bw: float,
-         family: str, tf32: float | None = None, bf16: bool = True) -> Device:
+         family: str, sms: tuple[int, int], tf32: float | None = None, bf16: bool = True) -> Device:
     tflops = {"fp32": fp32, "fp16": half}
     if bf16:
         tflops["bf16"] = half
     if tf32:
         tflops["tf32"] = tf32
-    return Device(name, int(gib * GiB), tflops, mem_bw, link_bw, host_bw, family=family)
+    return Device(name, int(gib * GiB), tflops, mem_bw, link_bw, host_bw, family=family, sms=sms)
 
 
 # Vendor data sheets: memory in GiB (the sheets' "24 GB" is binary: nvidia-smi shows a 4090's 24564 MiB),
@@ -80,20 +83,20 @@ def _gpu(name: str, gib: float, fp32: float, half: float, mem_bw: float, link_bw
 # (RTX 4090: 82.6), GA102 whitepaper (RTX 3090: 35.6), A10 data sheet (62.5), L4 data sheet (60), RTX A6000
 # data sheet (77.4). Turing (T4) and Volta (V100) have no TF32.
 GPUS: dict[str, Device] = {d.name: d for d in (
-    _gpu("T4", 15.0, 8.1, 65, 320, 12, 12, "turing", bf16=False),
-    _gpu("V100-16", 16, 15.7, 125, 900, 150, 12, "volta", bf16=False),
-    _gpu("V100-32", 32, 15.7, 125, 900, 150, 12, "volta", bf16=False),
-    _gpu("3090", 24, 35.6, 71, 936, 25, 25, "ampere", tf32=35.6),
-    _gpu("4090", 24, 82.6, 165, 1008, 25, 25, "ada", tf32=82.6),
-    _gpu("A10", 24, 31.2, 125, 600, 25, 25, "ampere", tf32=62.5),
-    _gpu("L4", 24, 30.3, 121, 300, 25, 25, "ada", tf32=60),
-    _gpu("A6000", 48, 38.7, 155, 768, 25, 25, "ampere", tf32=77.4),
-    _gpu("L40S", 48, 91.6, 362, 864, 25, 25, "ada", tf32=183),
-    _gpu("A100-40", 40, 19.5, 312, 1555, 300, 25, "ampere", tf32=156),
-    _gpu("A100-80", 80, 19.5, 312, 2039, 300, 25, "ampere", tf32=156),
-    _gpu("H100", 80, 67, 989, 3350, 450, 55, "hopper", tf32=495),
-    _gpu("H100-PCIe", 80, 51, 756, 2000, 64, 55, "hopper", tf32=378),
-    _gpu("H200", 141, 67, 989, 4800, 450, 55, "hopper", tf32=495),
+    _gpu("T4", 15.0, 8.1, 65, 320, 12, 12, "turing", (40, 1024), bf16=False),
+    _gpu("V100-16", 16, 15.7, 125, 900, 150, 12, "volta", (80, 2048), bf16=False),
+    _gpu("V100-32", 32, 15.7, 125, 900, 150, 12, "volta", (80, 2048), bf16=False),
+    _gpu("3090", 24, 35.6, 71, 936, 25, 25, "ampere", (82, 1536), tf32=35.6),
+    _gpu("4090", 24, 82.6, 165, 1008, 25, 25, "ada", (128, 1536), tf32=82.6),
+    _gpu("A10", 24, 31.2, 125, 600, 25, 25, "ampere", (72, 1536), tf32=62.5),
+    _gpu("L4", 24, 30.3, 121, 300, 25, 25, "ada", (58, 1536), tf32=60),
+    _gpu("A6000", 48, 38.7, 155, 768, 25, 25, "ampere", (84, 1536), tf32=77.4),
+    _gpu("L40S", 48, 91.6, 362, 864, 25, 25, "ada", (142, 1536), tf32=183),
+    _gpu("A100-40", 40, 19.5, 312, 1555, 300, 25, "ampere", (108, 2048), tf32=156),
+    _gpu("A100-80", 80, 19.5, 312, 2039, 300, 25, "ampere", (108, 2048), tf32=156),
+    _gpu("H100", 80, 67, 989, 3350, 450, 55, "hopper", (132, 2048), tf32=495),
+    _gpu("H100-PCIe", 80, 51, 756, 2000, 64, 55, "hopper", (114, 2048), tf32=378),
+    _gpu("H200", 141, 67, 989, 4800, 450, 55, "hopper", (132, 2048), tf32=495),
 )}
 
 

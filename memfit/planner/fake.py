@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import traceback
 from collections.abc import Iterator
@@ -41,7 +42,7 @@ from memfit.measure import CachingAllocatorModel, MemoryTracker, optimizer_state
 from memfit.measure.storages import stepped_params
 from memfit.optim.spec import OptimWrapperSpec
 from memfit.planner.devices import CUBLAS_BLOCKS
-from memfit.planner.kernel_scratch import cuda_scratch
+from memfit.planner.kernel_scratch import H100_SMS, cuda_scratch
 from memfit.planner.op_counter import OpCounter
 from memfit.planner.space import technique_cfg
 
@@ -218,14 +219,16 @@ def first_batch(loader_cfg: dict) -> Any:
 
 
 def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model: nn.Module | None = None,
-                 steps: int = 2, cuda: bool = False, record: tuple[str, ...] | None = None) -> StepMeasurement:
+                 steps: int = 2, cuda: bool = False, record: tuple[str, ...] | None = None,
+                 sms: tuple[int, int] = H100_SMS) -> StepMeasurement:
     """Run the config's training step on fake tensors inside the current (fake) process group.
 
     ``full``: two optimizer steps (see the module docstring); otherwise one micro-step's forward and
     backward. ``batch`` defaults to the largest batch ``cfg['train_dataloader']`` can make
     (:mod:`memfit.planner.inputs`); ``meta_model``
     (a model already built on meta) is copied instead of building the config's model again. ``cuda``:
-    the target is a CUDA device, so autocast casts as CUDA's does (:mod:`memfit.planner.cuda_autocast`).
+    the target is a CUDA device, so autocast casts as CUDA's does (:mod:`memfit.planner.cuda_autocast`), of
+    ``sms`` (SMs, threads per SM: how far kernels split, :mod:`memfit.planner.kernel_scratch`).
     ``record``: a forward/backward run records its timeline (:mod:`memfit.planner.timeline`), with the calls
     of the modules so named as the regions checkpointing choices are composed over; its own figures are then
     not the step's (the recording keeps no saved tensor): compose them from ``timeline``.
@@ -285,7 +288,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
                 for i, n in enumerate(CUBLAS_BLOCKS + _chunks(buckets, DDP_BUCKET)):
                     allocator.malloc(("before the step", i), n)
                 live = tracker.live_storages
-                live.scratch = cuda_scratch
+                live.scratch = functools.partial(cuda_scratch, sms=sms)
                 # The Runner copies each batch to a GPU on a stream of its own, the next one while this step
                 # runs (memfit.data.prefetch): the batch is in that stream's pool, and the next one beside it.
                 live.input_stream = INPUT_STREAM

@@ -10,11 +10,10 @@ inputs over several thread blocks and stages their partial sums in a global buff
 each MLP's first bias gradient, freed at once but counted in ``max_memory_allocated``.
 
 Our own port because torch exposes no way to ask a CUDA kernel's launch configuration without a GPU: the
-arithmetic of ``setReduceConfig`` and of TensorIterator's dimension order, for an H100's 132 SMs of 2,048
-threads, for every CUDA target. The SM count caps the split where the batch is large (ViT-L at batch 64: 66
-blocks per output on an H100); a GPU with fewer SMs splits less and stages less, so other targets are
-over-predicted, by at most the ratio of their SMs' threads (about a quarter on a 4090). Checked against the
-buffers in the H100 allocator traces (tests/planner/test_cuda_traces.py).
+arithmetic of ``setReduceConfig`` and of TensorIterator's dimension order, for the target's SMs and threads per
+SM (:attr:`memfit.planner.devices.Device.sms`), which cap the split where the batch is large (ViT-L at batch 64:
+66 blocks per output on an H100, 31 on an RTX 3090). Checked against the buffers in the H100 allocator traces
+(tests/planner/test_cuda_traces.py); other GPUs follow the same code with their own counts.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import torch
 
 _MAX_THREADS = 512  # mnt_wrapper<scalar_t>::MAX_NUM_THREADS (256 for complex double only)
 _WARP = 32
-_SMS, _THREADS_PER_SM = 132, 2048  # H100 SXM
+H100_SMS = (132, 2048)  # (streaming multiprocessors, resident threads per SM)
 _MIN_VALUES, _MAX_VALUES = 16, 256  # min_values_per_thread, max_values_per_thread
 _INPUT_VEC = 4  # ReduceConfig::input_vec_size
 
@@ -37,9 +36,10 @@ _OVER_DIMS = frozenset({_aten.sum.dim_IntList, _aten.mean.dim})
 _OVER_ALL = frozenset({_aten.sum.default, _aten.mean.default})
 
 
-def cuda_scratch(func: Any, args: tuple, kwargs: dict | None, out: Any) -> tuple[int, ...]:
-    """Bytes of the scratch blocks ``func`` takes on a CUDA device for these arguments (in allocation order;
-    freed in reverse when it returns); empty when it takes none."""
+def cuda_scratch(func: Any, args: tuple, kwargs: dict | None, out: Any, sms: tuple[int, int] = H100_SMS
+                 ) -> tuple[int, ...]:
+    """Bytes of the scratch blocks ``func`` takes for these arguments on a CUDA device of ``sms`` (SMs, threads
+    per SM), in allocation order (freed in reverse when it returns); empty when it takes none."""
     if func in _OVER_DIMS:
         x = args[0]
         dim = args[1] if len(args) > 1 else (kwargs or {}).get("dim")
@@ -51,7 +51,7 @@ def cuda_scratch(func: Any, args: tuple, kwargs: dict | None, out: Any) -> tuple
         return ()
     dims = _dims(dim, x.dim())
     return reduce_scratch(tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.element_size(), dims,
-                          8 if x.dtype == torch.float64 else 4)
+                          8 if x.dtype == torch.float64 else 4, sms)
 
 
 def _dims(dim: Any, ndim: int) -> tuple[int, ...]:
@@ -62,10 +62,10 @@ def _dims(dim: Any, ndim: int) -> tuple[int, ...]:
 
 
 def reduce_scratch(shape: tuple[int, ...], stride: tuple[int, ...], offset: int, itemsize: int,
-                   dims: tuple[int, ...], acc_size: int = 4) -> tuple[int, ...]:
+                   dims: tuple[int, ...], acc_size: int = 4, sms: tuple[int, int] = H100_SMS) -> tuple[int, ...]:
     """``(staging buffer, semaphores)`` bytes of a Reduce.cuh reduction of a tensor (``shape``, ``stride``
-    and ``offset`` in elements of ``itemsize`` bytes) over ``dims``, accumulating in ``acc_size``-byte values;
-    empty where its configuration needs no global reduction."""
+    and ``offset`` in elements of ``itemsize`` bytes) over ``dims``, accumulating in ``acc_size``-byte values,
+    on a GPU of ``sms`` (SMs, threads per SM); empty where its configuration needs no global reduction."""
     red_shape, in_strides, reduced = _iterator(shape, [s * itemsize for s in stride], dims)
     if not red_shape:
         return ()
@@ -113,7 +113,7 @@ def reduce_scratch(shape: tuple[int, ...], stride: tuple[int, ...], offset: int,
         step_output *= height
     values = -(-inputs_per_output // step_input)
     grid = -(-(num_outputs // output_vec) // step_output)
-    target = _SMS * (_THREADS_PER_SM // threads)
+    target = sms[0] * (sms[1] // threads)
     if not (block_y_reduce and values >= _MAX_VALUES and grid <= target):
         return ()
     ctas = max(min(-(-target // grid), -(-values // _MIN_VALUES)), -(-values // _MAX_VALUES))

@@ -58,13 +58,14 @@ def _forked_autograd(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "fork" in str(exc)
 
 
-def _run_one(cfg: dict, full: bool, steps: int, cuda: bool, record: tuple[str, ...] | None = None,
-             ) -> StepMeasurement | StepFailed:
-    """The fake step, or why it failed (returned, so that the cache keeps it beside the measurements)."""
+def _run_one(cfg: dict, full: bool, steps: int, cuda: tuple[int, int] | None,
+             record: tuple[str, ...] | None = None) -> StepMeasurement | StepFailed:
+    """The fake step (``cuda``: the target GPU's SMs and threads per SM; None: a CPU target), or why it failed
+    (returned, so that the cache keeps it beside the measurements)."""
     batch = _WORKER["inputs"].batch(cfg["train_dataloader"]["batch_size"])
     try:
-        return measure_step(cfg, full=full, batch=batch, meta_model=_WORKER["meta"], steps=steps, cuda=cuda,
-                            record=record)
+        return measure_step(cfg, full=full, batch=batch, meta_model=_WORKER["meta"], steps=steps,
+                            cuda=cuda is not None, record=record, **({"sms": cuda} if cuda else {}))
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - the step's own error, whatever it is, says why the plan cannot run
@@ -145,7 +146,7 @@ class Runs:
     :meth:`run` records the step and returns a placeholder."""
 
     def __init__(self, cfg: dict, facts: ModelFacts, meta: Any, world_size: int, progress: bool,
-                 cuda: bool = False, inputs: Inputs | None = None) -> None:
+                 cuda: tuple[int, int] | None = None, inputs: Inputs | None = None) -> None:
         self.cfg, self.facts, self.meta, self.world, self.cuda = cfg, facts, meta, world_size, cuda
         self.inputs = inputs or Inputs(cfg)  # the batch each step runs on, at each micro-batch
         self.canon: dict[Any, str] = {}  # a caller's key -> the step it names

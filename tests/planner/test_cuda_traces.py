@@ -60,6 +60,19 @@ def test_a_bias_gradients_staging_buffer_is_torchs():
     assert reduce_scratch((32, 1000), (1000, 1), 0, 4, (0, 1)) == ()  # a loss's mean: one block
 
 
+def test_fewer_sms_stage_less_where_they_cap_the_split():
+    """The split of each output over thread blocks is at most what fills the GPU's SMs once: ViT-L/16's first MLP
+    bias gradient at batch 64 (12,608 tokens, 4,096 outputs) is split 66 ways on an H100 (132 SMs of 2,048
+    threads), 31 on an RTX 3090 (82 of 1,536); at batch 32 ViT-S's is split by its inputs (99 ways) on both
+    H100 and 4090, and by the 3090's SMs (82 ways)."""
+    vit_l = ((12608, 4096), (4096, 1), 0, 2, (0,), 4)
+    assert reduce_scratch(*vit_l, GPUS["H100"].sms)[0] == 4096 * 66 * 128 * 4
+    assert reduce_scratch(*vit_l, GPUS["3090"].sms)[0] == 4096 * 31 * 128 * 4
+    vit_s = ((6304, 1536), (1536, 1), 0, 2, (0,), 4)
+    assert reduce_scratch(*vit_s, GPUS["4090"].sms) == reduce_scratch(*vit_s, GPUS["H100"].sms)
+    assert reduce_scratch(*vit_s, GPUS["3090"].sms)[0] == 1536 * 82 * 128 * 4
+
+
 @cache
 def _scratch_sizes(name: str) -> Counter:
     """The sizes of the kernel scratch blocks the fake step of a fixture case adds to one forward/backward (the
@@ -67,8 +80,8 @@ def _scratch_sizes(name: str) -> Counter:
     sizes: Counter = Counter()
     real = fake.cuda_scratch
 
-    def counted(*args):
-        out = real(*args)
+    def counted(*args, **kwargs):
+        out = real(*args, **kwargs)
         sizes.update(out)
         return out
 
