@@ -4,17 +4,23 @@ first blocks that make it fit."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from memfit.planner.results import AUTO_FIT_MARGIN, PlanResult
 from memfit.planner.runs import StepFailed
 from memfit.planner.space import Plan
 
-if TYPE_CHECKING:
-    from memfit.planner.predict import _Composer
+
+class Composer(Protocol):
+    """What composes a plan's row (memfit.planner.predict's ``_Composer``); ``recorded``: from a recorded
+    forward/backward, so checkpointing choices compose rather than run."""
+
+    recorded: bool
+
+    def __call__(self, plan: Plan) -> PlanResult: ...
 
 
-def block_subsets(results: list[PlanResult], blocks: int, budget: int, compose: _Composer) -> list[PlanResult]:
+def block_subsets(results: list[PlanResult], blocks: int, budget: int, compose: Composer) -> list[PlanResult]:
     """The planner's own checkpointing choice: where a plan does not fit without checkpointing but does
     with every block checkpointed, the fewest first blocks (``ac:firstN``) that fit. Composed like any
     choice from the recorded forward/backward (a bisection over N: the peak falls as blocks are added);
@@ -36,7 +42,7 @@ def block_subsets(results: list[PlanResult], blocks: int, budget: int, compose: 
     return out
 
 
-def _fewest_blocks(plan: Plan, blocks: int, limit: float, compose: _Composer) -> PlanResult | None:
+def _fewest_blocks(plan: Plan, blocks: int, limit: float, compose: Composer) -> PlanResult | None:
     best, lo, hi = None, 1, blocks - 1
     while lo <= hi:
         n = (lo + hi) // 2
