@@ -189,16 +189,17 @@ class LiveStorages(TorchDispatchMode):
         if not sizes:
             return
         keys = [("scratch", self.serial, i) for i in range(len(sizes))]
-        for key, n in zip(keys, sizes):
-            if self.allocator is not None:
+        if self.allocator is not None:
+            for key, n in zip(keys, sizes):
                 self.allocator.malloc(key, n, self.stream())
-        self.current["activations"] += sum(sizes)
-        self.total += sum(sizes)
+        held = sum(sizes)
+        self.current["activations"] += held
+        self.total += held
         self.update_peak()
-        self.current["activations"] -= sum(sizes)
-        self.total -= sum(sizes)
-        for key in reversed(keys):
-            if self.allocator is not None:
+        self.current["activations"] -= held
+        self.total -= held
+        if self.allocator is not None:
+            for key in reversed(keys):
                 self.allocator.free(key)
         if self.timeline is not None:
             self.timeline.scratch(sizes)

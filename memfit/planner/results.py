@@ -127,9 +127,10 @@ def plan_result(plan: Plan, step: StepMeasurement, micro: StepMeasurement, devic
 
 AUTO_FIT_MARGIN = 0.05  # the recommended plan leaves 5% of the budget free
 # A CUDA row "fits" when its predicted device peak leaves this share of the budget free, by how the row was
-# predicted: how far under the GPU's such predictions were measured on an H100 (docs/planner.md, "Fits"). A
-# row's own fake step on one device: -3.0% at worst; composed single-device rows: -3.0%; rows whose sharding
-# (FSDP, ZeRO-2) or offload allocates beside the activations: -5.4% (DeiT-B with optimizer offload).
+# predicted: how far under the GPU's such predictions were measured on an H100 (docs/planner.md, "Fits"). Set
+# when the worst were -3.0% (a row's own fake step on one device), -3.0% (composed single-device rows) and -5.4%
+# (rows whose sharding, FSDP or ZeRO-2, or offload allocates beside the activations); now -1.5%, -1.5% and -4.1%
+# (Swin-B under FSDP), kept until DINO's rows with the Triton kernel and FSDP at several ranks are measured.
 FIT_MARGINS = {"measured": 0.04, "composed": 0.05, "sharded or offloaded": 0.08}
 
 

@@ -23,6 +23,7 @@ from memfit.errors import ConfigError, first_line
 from memfit.optim.spec import OptimWrapperSpec
 from memfit.planner.fake import Phase, StepMeasurement, fake_process_group, measure_step, measured_optim_wrapper
 from memfit.planner.inputs import Inputs
+from memfit.planner.kernel_scratch import H100_SMS
 from memfit.planner.levers import fake_step_cfg
 from memfit.planner.pool import Job, Pool
 from memfit.planner.space import ModelFacts, Plan, technique_cfg
@@ -65,7 +66,7 @@ def _run_one(cfg: dict, full: bool, steps: int, cuda: tuple[int, int] | None,
     batch = _WORKER["inputs"].batch(cfg["train_dataloader"]["batch_size"])
     try:
         return measure_step(cfg, full=full, batch=batch, meta_model=_WORKER["meta"], steps=steps,
-                            cuda=cuda is not None, record=record, **({"sms": cuda} if cuda else {}))
+                            cuda=cuda is not None, record=record, sms=cuda or H100_SMS)
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - the step's own error, whatever it is, says why the plan cannot run
