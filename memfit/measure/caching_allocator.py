@@ -225,11 +225,17 @@ class CachingAllocatorModel:
         """The keys allocated since ``trace[start]`` that still hold a block."""
         return list(dict.fromkeys(key for key, n in self.trace[start:] if n is not None and key in self._used))
 
-    def finish_steps(self, start: int, epilogue: Sequence[tuple[int, int | None]], made: Iterable[Hashable]) -> None:
+    def finish_steps(self, start: int, epilogue: Sequence[tuple[int, int | None]], made: Iterable[Hashable],
+                     micro_steps: int = 1) -> None:
         """The calls since ``trace[start]`` were a forward/backward: end its training step with an optimizer
         step's calls (``epilogue``: ``(i, nbytes)`` and ``(i, None)``, its state kept), free what the step made and
         still holds (``made``: the gradients, which ``zero_grad`` frees), then run the step again as the next
-        would (:meth:`replay`): a real run's second step on the segments the first left."""
+        would (:meth:`replay`): a real run's second step on the segments the first left. ``micro_steps`` > 1:
+        the forward/backward runs again before the optimizer step as a later micro-step of gradient accumulation
+        (:meth:`accumulate`), in both steps."""
+        made = list(made)
+        if micro_steps > 1:
+            self.accumulate(start, len(self.trace), set(made))
         for i, nbytes in epilogue:
             if nbytes is None:
                 self.free(("optimizer", i))
@@ -238,6 +244,18 @@ class CachingAllocatorModel:
         for key in made:
             self.free(key)
         self.replay(start)
+
+    def accumulate(self, start: int, end: int, made: set[Hashable]) -> None:
+        """Run ``trace[start:end]`` (a forward/backward) again as a later micro-step of gradient accumulation would:
+        what it made and kept (``made``: the gradients) is now a temporary, freed as soon as it is made (autograd
+        adds it into the kept gradient in place)."""
+        for i, (key, nbytes) in enumerate(self.trace[start:end]):
+            if nbytes is None:
+                self.free(("micro", key))
+                continue
+            self.malloc(("micro", key), nbytes, self._trace_streams.get(start + i, 0))
+            if key in made:
+                self.free(("micro", key))
 
     def replay(self, start: int) -> None:
         """Run ``trace[start:]`` (one training step) again, as the next step would: the same requests in the

@@ -187,6 +187,8 @@ class LiveStorages(TorchDispatchMode):
     def _kernel_scratch(self, sizes: tuple[int, ...]) -> None:
         """Blocks an operator holds while it runs, after its outputs: allocated in order, freed in reverse."""
         if not sizes:
+            if self.timeline is not None and getattr(sizes, "spec", None) is not None:
+                self.timeline.scratch(sizes)  # a reduction that takes none here may at another micro-batch
             return
         keys = [("scratch", self.serial, i) for i in range(len(sizes))]
         if self.allocator is not None:

@@ -12,7 +12,7 @@ from memfit.planner.space import Plan
 
 
 class Composer(Protocol):
-    """What composes a plan's row (memfit.planner.predict's ``_Composer``); ``recorded``: from a recorded
+    """What composes a plan's row (memfit.planner.composer's ``Composer``); ``recorded``: from a recorded
     forward/backward, so checkpointing choices compose rather than run."""
 
     recorded: bool

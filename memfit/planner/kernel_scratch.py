@@ -50,8 +50,22 @@ def cuda_scratch(func: Any, args: tuple, kwargs: dict | None, out: Any, sms: tup
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
         return ()
     dims = _dims(dim, x.dim())
-    return reduce_scratch(tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.element_size(), dims,
-                          8 if x.dtype == torch.float64 else 4, sms)
+    return Blocks.of(tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.element_size(), dims,
+                     8 if x.dtype == torch.float64 else 4, sms)
+
+
+class Blocks(tuple):
+    """A reduction's scratch block sizes (:func:`reduce_scratch`), with the arguments that gave them (``spec``),
+    so that a recording can work them out again at another micro-batch (:mod:`memfit.planner.timeline_scale`)."""
+
+    spec: tuple | None = None
+
+    @classmethod
+    def of(cls, shape: tuple[int, ...], stride: tuple[int, ...], offset: int, itemsize: int, dims: tuple[int, ...],
+           acc_size: int, sms: tuple[int, int]) -> Blocks:
+        out = cls(reduce_scratch(shape, stride, offset, itemsize, dims, acc_size, sms))
+        out.spec = (shape, stride, offset, itemsize, dims, acc_size, sms)
+        return out
 
 
 def _dims(dim: Any, ndim: int) -> tuple[int, ...]:

@@ -53,7 +53,7 @@ class CachedTensorMutated(RuntimeError):
 
 
 def compose(tl: Timeline, regions: Iterable[str], selective: bool = False,
-            epilogue: list[tuple[int, int | None]] | None = None) -> Composed:
+            epilogue: list[tuple[int, int | None]] | None = None, micro_steps: int = 1) -> Composed:
     """The recorded step with the calls of the modules named in ``regions`` checkpointed (a call inside
     another checkpointed one is not checkpointed again, as memfit's install never wraps twice).
 
@@ -64,7 +64,8 @@ def compose(tl: Timeline, regions: Iterable[str], selective: bool = False,
     ``epilogue``: an optimizer step's allocator calls (:func:`memfit.planner.fake.optimizer_epilogue`); with it
     the simulated allocator runs two training steps, as a real run's second step finds the segments: the
     composed forward/backward, the optimizer step (its state kept, the step's leftovers freed as
-    ``zero_grad`` frees the gradients), then both again on those segments."""
+    ``zero_grad`` frees the gradients), then both again on those segments; with ``micro_steps`` > 1 each step
+    runs the forward/backward again as a later micro-step (its gradients added in place) before the optimizer's."""
     names = set(regions)
     ix = tl.index
     chosen = {c for c, name in enumerate(tl.calls) if name in names}
@@ -102,7 +103,7 @@ def compose(tl: Timeline, regions: Iterable[str], selective: bool = False,
     for i, sizes in ix.scratch:
         _scratch(items, (i, 0), 0, ("scratch", i), sizes)
     items += [(i, 1, 0, None, uid, 0, False) for i, uid in ix.grads]  # is_alloc None: it became a gradient
-    return replace(_replay(tl, items, flops, ops, written, epilogue), recompute_ops=recompute_ops)
+    return replace(_replay(tl, items, flops, ops, written, epilogue, micro_steps), recompute_ops=recompute_ops)
 
 
 def _recompute(tl: Timeline, c: int, frame: int, selective: bool, items: list[tuple],
@@ -182,7 +183,7 @@ def _scratch(items: list[tuple], at: tuple[int, int], seq: int, key: tuple, size
 
 
 def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int,
-            epilogue: list[tuple[int, int | None]] | None = None) -> Composed:
+            epilogue: list[tuple[int, int | None]] | None = None, micro_steps: int = 1) -> Composed:
     """The tracker's accounting over the composed allocations and frees: the peak is taken after each
     allocation (after each operator's outputs, as the tracker does); a retroactive one (alive before the
     step, first seen now) raises the peak too. The simulated allocator runs them, and with ``epilogue`` two
@@ -221,7 +222,7 @@ def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int
         return Composed(peak, flops, ops, written, peak_without_grads=peak_ng)
     requested = 0
     if epilogue is not None:
-        allocator.finish_steps(first, epilogue, allocator.held_since(first))
+        allocator.finish_steps(first, epilogue, allocator.held_since(first), micro_steps)
         requested = allocator.peak_requested
     return Composed(peak, flops, ops, written, allocator.peak_allocated, allocator.peak_reserved, requested,
                     peak_without_grads=peak_ng)

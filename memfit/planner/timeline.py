@@ -35,7 +35,9 @@ RELEASE = 5  # (RELEASE, hid): autograd dropped what it saved
 ENTER = 6  # (ENTER, call, input uids): a region's forward began (``calls[call]`` is its module's name)
 EXIT = 7  # (EXIT, call)
 WRITE = 8  # (WRITE, uid): an in-place operator wrote to the storage
-SCRATCH = 9  # (SCRATCH, sizes): the operator just counted took blocks of these bytes while it ran (CUDA targets)
+# (SCRATCH, sizes, spec): the operator just counted took blocks of these bytes while it ran (CUDA targets; spec:
+# a reduction's arguments, kernel_scratch.Blocks)
+SCRATCH = 9
 # (DROP, hid): what the unpack of ``hid`` handed backward died (the backward function that asked for it returned:
 # where checkpointing frees a recomputed tensor, before autograd sums a broadcast gradient and releases the rest)
 DROP = 10
@@ -121,7 +123,9 @@ class Recorder:
             self.events.append((GRAD, uid))
 
     def scratch(self, sizes: tuple[int, ...]) -> None:
-        self.events.append((SCRATCH, tuple(sizes)))
+        """An operator's kernel scratch blocks (none, for a reduction that took none: its arguments, ``spec``,
+        still let :mod:`memfit.planner.timeline_scale` work them out at another micro-batch)."""
+        self.events.append((SCRATCH, tuple(sizes), getattr(sizes, "spec", None)))
 
     def observe(self, counter: Any) -> Any:
         """``counter`` (the planner's operator counter) as an observer that also records each operator."""

@@ -145,7 +145,7 @@ def test_the_planner_composes_what_it_used_to_run(tiny_config, tmp_path, monkeyp
 
 def test_a_model_with_its_own_checkpointing_runs_every_choice(tmp_path, monkeypatch):
     """Its recording would miss what its own checkpoints save: the planner runs each choice instead."""
-    from memfit.planner.predict import _Composer
+    from memfit.planner.composer import Composer
     from memfit.planner.runs import Runs
 
     model = dict(VIT)
@@ -154,6 +154,6 @@ def test_a_model_with_its_own_checkpointing_runs_every_choice(tmp_path, monkeypa
     facts = ModelFacts.of(meta)
     ref = Plan(micro_batch=2)
     with Runs(cfg, facts, meta, 1, False) as runs:
-        assert _Composer(runs, ref, gpu("4090"), 1, []).recorded
+        assert Composer(runs, ref, gpu("4090"), 1, []).recorded
         meta.backbone.set_grad_checkpointing(True)
-        assert not _Composer(runs, ref, gpu("4090"), 1, []).recorded
+        assert not Composer(runs, ref, gpu("4090"), 1, []).recorded
