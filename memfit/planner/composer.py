@@ -67,22 +67,25 @@ class Composer:
     def _composes(self, choice: str) -> bool:
         return self.recorded and (choice in _COMPOSED or choice.startswith("first"))
 
+    def _act_plan(self, plan: Plan, mb: int, choice: str) -> Plan:
+        """The single-process forward/backward that runs ``plan``'s precision and Conv-BN choice with checkpointing
+        ``choice`` at micro-batch ``mb``."""
+        ref = self._ref(plan)
+        return replace(ref, precision=plan.precision if plan.precision != "fp16" else "bf16",
+                       activation_checkpointing=choice, efficient_conv_bn_eval=plan.efficient_conv_bn_eval,
+                       micro_batch=mb, accumulative_counts=max(ref.micro_batch * ref.accumulative_counts // mb, 1))
+
     def _act(self, plan: Plan, mb: int) -> StepMeasurement:
         """The single-process forward/backward of ``plan``'s activation choices at micro-batch ``mb``."""
-        ref, choice = self._ref(plan), plan.activation_checkpointing
-        composes = self._composes(choice)
-        act = replace(ref, precision=plan.precision if plan.precision != "fp16" else "bf16",
-                      activation_checkpointing="none" if composes else choice,
-                      efficient_conv_bn_eval=plan.efficient_conv_bn_eval, micro_batch=mb,
-                      accumulative_counts=max(ref.micro_batch * ref.accumulative_counts // mb, 1))
-        if not composes:
+        choice = plan.activation_checkpointing
+        if not self._composes(choice):
             run = self.runs.run(("act", _half(plan), choice, plan.efficient_conv_bn_eval, plan.channels_last, mb),
-                                act, full=False, single=True)
+                                self._act_plan(plan, mb, choice), full=False, single=True)
             if choice == "none":
                 return run
             plain = self._act(replace(plan, activation_checkpointing="none"), mb)  # what recomputation adds
             return replace(run, recompute_ops=max(0, run.ops - plain.ops))
-        recorded = self._recorded(plan, mb, act)
+        recorded = self._recorded(plan, mb)
         if recorded.timeline is None:  # a placeholder, while the runs are being collected
             return recorded
         key = (_half(plan), choice, plan.efficient_conv_bn_eval, plan.channels_last, mb)
@@ -93,22 +96,21 @@ class Composer:
             raise out
         return out
 
-    def _recorded(self, plan: Plan, mb: int, act: Plan | None = None) -> StepMeasurement:
+    def _recorded(self, plan: Plan, mb: int) -> StepMeasurement:
         """The recorded forward/backward without checkpointing of ``plan``'s precision and Conv-BN choice at
-        micro-batch ``mb`` (``act``: the plan it runs, needed the first time it is asked for). Recorded at the
-        configured micro-batch and half of it; every other micro-batch is scaled from those two
-        (:mod:`memfit.planner.timeline_scale`), or recorded where they cannot be."""
+        micro-batch ``mb``. Recorded at the configured micro-batch and half of it; every other micro-batch is
+        scaled from those two (:mod:`memfit.planner.timeline_scale`), or recorded where they cannot be."""
         key = ("record", _half(plan), plan.efficient_conv_bn_eval, plan.channels_last)
-        if self.half is None or mb in (self.ref.micro_batch, self.half):
-            return self.runs.run((*key, mb), act, full=False, single=True, record=self.record)
-        if (*key, mb) not in self.scaled:
-            lo = self._recorded(plan, self.half, act and replace(act, micro_batch=self.half))
-            hi = self._recorded(plan, self.ref.micro_batch, act and replace(act, micro_batch=self.ref.micro_batch))
-            if lo.timeline is None or hi.timeline is None:  # placeholders, while the runs are being collected
-                return lo
-            self.scaled[(*key, mb)] = scaled_recording(lo, hi, (self.half, self.ref.micro_batch), mb)
-        out = self.scaled[(*key, mb)]
-        return out if out is not None else self.runs.run((*key, mb), act, full=False, single=True, record=self.record)
+        if self.half is not None and mb not in (self.ref.micro_batch, self.half):
+            if (*key, mb) not in self.scaled:
+                lo, hi = self._recorded(plan, self.half), self._recorded(plan, self.ref.micro_batch)
+                if lo.timeline is None or hi.timeline is None:  # placeholders, while the runs are being collected
+                    return lo
+                self.scaled[(*key, mb)] = scaled_recording(lo, hi, (self.half, self.ref.micro_batch), mb)
+            if self.scaled[(*key, mb)] is not None:
+                return self.scaled[(*key, mb)]  # type: ignore[return-value]
+        return self.runs.run((*key, mb), self._act_plan(plan, mb, "none"), full=False, single=True,
+                             record=self.record)
 
     def _compose(self, recorded: StepMeasurement, choice: str, epilogue: list[tuple[int, int | None]] | None = None,
                  micro_steps: int = 1) -> StepMeasurement | StepFailed:
@@ -189,7 +191,7 @@ class Composer:
                                                     cuda_reserved=allocator.peak_reserved,
                                                     cuda_requested=allocator.peak_requested)
         else:
-            recorded = self._recorded(plan, mb)  # _act asked for it
+            recorded = self._recorded(plan, mb)
             if recorded.timeline is None:
                 return None
             out = self.composed[full_key] = self._compose(recorded, plan.activation_checkpointing, epilogue,

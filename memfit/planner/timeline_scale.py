@@ -10,8 +10,8 @@ checkpointing and replays the simulated CUDA allocator on its own sizes, not on 
 A reduction's kernel scratch is not linear in its input (the split depends on it): the recordings keep each
 reduction's arguments (:func:`memfit.planner.kernel_scratch.cuda_scratch`), whose shape and strides are, and
 its blocks are worked out again at the new micro-batch. Recordings whose events differ other than in sizes
-(a data-dependent branch, or frees of one moment in another order) are not scaled: :func:`at_micro_batch`
-says None and the caller records that micro-batch itself.
+(a data-dependent branch) are not scaled: :func:`at_micro_batch` says None and the caller records that
+micro-batch itself; frees of one moment that came in another order are taken from the smaller recording.
 """
 
 from __future__ import annotations
@@ -74,10 +74,10 @@ def at_micro_batch(low: Timeline, high: Timeline, mbs: tuple[int, int], mb: int)
         return None
     prefix = None
     if low.prefix is not None and high.prefix is not None:
-        trace = [(ka, n if n is None else line(n, nb)) for (ka, n), (_, nb) in zip(low.prefix[0], high.prefix[0])]
-        if any(n is not None and n < 0 for _, n in trace):
-            return None
-        prefix = (trace, dict(low.prefix[1]))
+        sizes = [n if n is None else line(n, nb) for (_, n), (_, nb) in zip(low.prefix[0], high.prefix[0])]
+        if any(n is None and na is not None for n, (_, na) in zip(sizes, low.prefix[0])):
+            return None  # a size not on a line (None here would read as a free)
+        prefix = ([(key, n) for (key, _), n in zip(low.prefix[0], sizes)], dict(low.prefix[1]))
     start = line(low.start, high.start)
     if start is None:
         return None
@@ -110,7 +110,7 @@ def _same_prefix(low: Timeline, high: Timeline) -> bool:
 
 def _scratch(a: tuple, b: tuple, line: _Line) -> tuple[int, ...] | None:
     """A reduction's scratch blocks at the line's micro-batch, from its arguments at the two recordings'."""
-    spec_a, spec_b = a[2] if len(a) > 2 else None, b[2] if len(b) > 2 else None
+    spec_a, spec_b = a[2], b[2]
     if spec_a is None or spec_b is None:
         return a[1] if a[1] == b[1] else None
     (shape_a, stride_a, off_a, *rest_a), (shape_b, stride_b, off_b, *rest_b) = spec_a, spec_b
