@@ -121,13 +121,13 @@ def measure_one(index: int) -> dict:
         cfg = _config(spec, options, _data(tmp))
         plan, facts = _plan(cfg, words, cuda=True)
         torch.cuda.empty_cache()
-        m = measure_plan(cfg, plan, facts, steps=5)
+        m = measure_plan(cfg, plan, facts, steps=int(os.environ.get("MEMFIT_CAL_STEPS", "5")))
     free, total = torch.cuda.mem_get_info()
     outside = total - free - torch.cuda.memory_reserved()
     return {"case": name, "plan": plan.name, "device_name": torch.cuda.get_device_name(), "total": total,
             "allocated": m.peak_bytes, "reserved": m.reserved, "outside_allocator": outside,
             "context_bare": bare, "cublas_workspace": workspace, "seconds": m.seconds,
-            "breakdown": m.breakdown, "torch": torch.__version__}
+            "times": m.times, "host_times": m.host_times, "breakdown": m.breakdown, "torch": torch.__version__}
 
 
 def trace_one(index: int, out: Path) -> dict:
@@ -214,23 +214,28 @@ def workspaces() -> dict:
     return out
 
 
-def measure(out: Path, only: list[int] | None, trace: bool = False) -> None:
+def measure(out: Path, only: list[int] | None, trace: list[int] | None = None) -> None:
+    """Measure the cases ``only`` (indices, in that order; default all), after recording the allocator traces of
+    the cases ``trace`` (``[]``: the TRACED cases among ``only``; None: none)."""
     out.mkdir(parents=True, exist_ok=True)
-    if trace:
-        for i, case in enumerate(CASES):
-            if case[0] in TRACED and (not only or i in only):
-                proc = subprocess.run([sys.executable, __file__, "trace", str(i), "--out", str(out)],
-                                      capture_output=True, text=True, timeout=240,
-                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
-                print(proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 and proc.stdout.strip() else
-                      f"{case[0]}: trace FAILED rc={proc.returncode}\n{proc.stderr[-3000:]}", flush=True)
+    order = only or list(range(len(CASES)))
+    if trace is not None:
+        for i in trace or [i for i in order if CASES[i][0] in TRACED]:
+            proc = subprocess.run([sys.executable, __file__, "trace", str(i), "--out", str(out)],
+                                  capture_output=True, text=True, timeout=240,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            print(proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 and proc.stdout.strip() else
+                  f"{CASES[i][0]}: trace FAILED rc={proc.returncode}\n{proc.stderr[-3000:]}", flush=True)
     results = []
-    for i, case in enumerate(CASES):
-        if only and i not in only:
-            continue
+    for i in order:
+        case = CASES[i]
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, __file__, "one", str(i)], capture_output=True, text=True,
-                              timeout=240, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            proc = subprocess.run([sys.executable, __file__, "one", str(i)], capture_output=True, text=True,
+                                  timeout=int(os.environ.get("MEMFIT_CAL_CASE_S", "240")),
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        except subprocess.TimeoutExpired:
+            proc = subprocess.CompletedProcess([], 124, "", "timed out")
         line = next((x for x in proc.stdout.splitlines()[::-1] if x.startswith("{")), None)
         if proc.returncode or line is None:
             print(f"{case[0]}: FAILED rc={proc.returncode}\n{proc.stderr[-3000:]}", flush=True)
@@ -242,6 +247,7 @@ def measure(out: Path, only: list[int] | None, trace: bool = False) -> None:
                   f"outside allocator {r['outside_allocator'] / MIB:.0f} MiB "
                   f"(bare context {r['context_bare'] / MIB:.0f}), cuBLAS workspace "
                   f"{r['cublas_workspace'] / MIB:.1f} MiB, step {r['seconds']:.3f} s "
+                  f"(host {sorted(r['host_times'])[len(r['host_times']) // 2]:.3f} s) "
                   f"[{time.perf_counter() - start:.0f} s]", flush=True)
         (out / "measured.json").write_text(json.dumps(results, indent=1))
 
@@ -321,7 +327,8 @@ def main() -> None:
     m = sub.add_parser("measure", help="on a GPU: measure every case")
     m.add_argument("--out", default="benchmarks/results/gpu_calibration_measured")
     m.add_argument("--only", default="", help="case indices, e.g. 0,3")
-    m.add_argument("--trace", action="store_true", help="also record the allocator traces of the TRACED cases")
+    m.add_argument("--trace", nargs="?", const="", default=None,
+                   help="first record allocator traces: of these case indices, or bare, of the TRACED cases measured")
     t = sub.add_parser("trace")
     t.add_argument("index", type=int)
     t.add_argument("--out", default="benchmarks/results/gpu_calibration_measured")
@@ -351,7 +358,8 @@ def main() -> None:
         warnings.simplefilter("ignore")
         print(json.dumps(trace_one(args.index, Path(args.out))))
     elif args.cmd == "measure":
-        measure(Path(args.out), [int(i) for i in args.only.split(",") if i], args.trace)
+        measure(Path(args.out), [int(i) for i in args.only.split(",") if i],
+                None if args.trace is None else [int(i) for i in args.trace.split(",") if i])
     else:
         compare(Path(args.measured), Path(args.out), args.composed)
 

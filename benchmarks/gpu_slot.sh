@@ -1,25 +1,43 @@
 #!/usr/bin/env bash
-# The planner's GPU checks in one call (about 5 min on an H100), run from the repository root on a machine whose
+# The planner's GPU checks in one call (about 6 min on an H100 with the defaults), run from the repository root on a machine whose
 # python3 has torch, timm and scipy (memfit itself from this checkout, on PYTHONPATH):
-#   OUT=DIR bash benchmarks/gpu_slot.sh [CASES]   # CASES: gpu_calibration.py case indices (default: DINO's rows
-#                                                 # 1-6 with the Triton kernel, Swin-B under FSDP at one rank and
-#                                                 # DeiT-B's optimizer offload)
+#   OUT=DIR bash benchmarks/gpu_slot.sh [CASES [TRACES]]
+# CASES: gpu_calibration.py case indices, measured in that order (default: DINO's rows 1-6 with the Triton kernel,
+# then step-time cases: Swin-L fp32/fp16/bf16, ViT-L fp32/bf16, blocks, blocks at micro-batch 32 x 2);
+# TRACES: the cases whose allocator traces are recorded first (default: none; e.g. 26, Swin-B under FSDP).
+# DINO's cases need pycocotools and timm >= 1.0.31 (dynamic image sizes); where the GPU machine lacks them, put
+# their wheels in .whl/ (pip download --no-deps --only-binary=:all: -d .whl pycocotools timm==1.0.31, for the
+# machine's Python) and the script installs them first.
+# CHECKS (environment): which of "calibrate measure deform allocator" run (default: calibrate measure).
 # Writes DIR/gpu_slot.tgz: this GPU's step-time profile (memfit bench --calibrate), gpu_calibration.py's
-# measurements of CASES (and the allocator traces of its TRACED cases), the deformable-attention kernel against
-# grid_sample (benchmarks/deform_check.py), and the installed allocator's replay test.
+# measurements of CASES (8 timed steps each, every step's time kept) and TRACES' allocator traces, the
+# deformable-attention kernel against grid_sample (benchmarks/deform_check.py), and the installed allocator's
+# replay test.
 set -u
 OUT=${OUT:-benchmarks/results/gpu_slot}
-CASES=${1:-12,13,14,15,16,17,26,27}
+CASES=${1:-12,13,14,15,16,17,0,1,2,18,19,20,25}
+TRACES=${2:-}
+CHECKS=${CHECKS:-calibrate measure}
 W=$(mktemp -d)
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-trap 'tar czf "$OUT/gpu_slot.tgz" -C "$W" .' EXIT
+SITE=$PWD
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$W/site" .whl/*.whl \
+    && SITE=$PWD:$W/site
+fi
+export PYTHONPATH=$SITE PYTHONUNBUFFERED=1 MEMFIT_CAL_STEPS=${MEMFIT_CAL_STEPS:-8}
+trap 'tar czf "$OUT/gpu_slot.tgz" -C "$W" --exclude=./site .' EXIT
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, timm; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'timm', timm.__version__)"
   date -u; } > "$W/env.txt" 2>&1
 cat "$W/env.txt"
-timeout 60 python3 -m memfit bench --calibrate --out "$W/profile.json" 2>&1 | tee "$W/calibrate.txt"
-timeout 300 python3 benchmarks/gpu_calibration.py measure --trace --only "$CASES" --out "$W" 2>&1 | tee "$W/measure.txt"
-timeout 120 python3 benchmarks/deform_check.py > "$W/deform_check.txt" 2>&1; grep "^|" "$W/deform_check.txt"
-timeout 60 python3 -m pytest -q -p no:cacheprovider tests/measure/test_allocator_traces.py -k installed \
-  > "$W/allocator_test.txt" 2>&1; tail -3 "$W/allocator_test.txt"
+case $CHECKS in *calibrate*)
+  timeout 60 python3 -m memfit bench --calibrate --out "$W/profile.json" 2>&1 | tee "$W/calibrate.txt";; esac
+case $CHECKS in *measure*)
+  timeout "${MEASURE_S:-420}" python3 benchmarks/gpu_calibration.py measure ${TRACES:+--trace "$TRACES"} \
+    --only "$CASES" --out "$W" 2>&1 | tee "$W/measure.txt";; esac
+case $CHECKS in *deform*)
+  timeout 120 python3 benchmarks/deform_check.py > "$W/deform_check.txt" 2>&1; grep "^|" "$W/deform_check.txt";; esac
+case $CHECKS in *allocator*)
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/measure/test_allocator_traces.py -k installed \
+    > "$W/allocator_test.txt" 2>&1; tail -3 "$W/allocator_test.txt";; esac

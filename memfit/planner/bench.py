@@ -36,6 +36,8 @@ class Measured:
     reserved: int
     seconds: float
     rel_step_time: float = 1.0
+    times: tuple[float, ...] = ()  # every timed step's seconds
+    host_times: tuple[float, ...] = ()  # each timed step's seconds until its Python returned, before the sync
 
 
 def _sync(device: torch.device) -> None:
@@ -109,14 +111,16 @@ def _measure_plan(cfg: dict, plan: Plan, facts: ModelFacts, steps: int, batch: A
     with MemoryTracker(model, wrapper.optimizer, device=device) as tracker:
         step()
     reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else tracker.peak_bytes
-    times = []
+    times, host = [], []
     for _ in range(steps):
         _sync(device)
         start = time.perf_counter()
         step()
+        host.append(time.perf_counter() - start)
         _sync(device)
         times.append(time.perf_counter() - start)
-    return Measured(plan, tracker.peak_bytes, dict(tracker.breakdown), reserved, statistics.median(times))
+    return Measured(plan, tracker.peak_bytes, dict(tracker.breakdown), reserved, statistics.median(times),
+                    times=tuple(times), host_times=tuple(host))
 
 
 def bench(cfg: dict, plans: list[Plan], facts: ModelFacts, steps: int = 3, progress: bool = False,
