@@ -137,7 +137,9 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
             except StepFailed as exc:
                 failed.setdefault(str(exc), []).append(p)
         results += block_subsets(results, len(facts.blocks), budget, compose)
-        _rank(results, budget, device)
+        planned = inputs.planned(configured.micro_batch)
+        detection = planned.boxes_per_image is not None
+        _rank(results, budget, device, detection)
         recommended = _recommend(results, budget)
         while verify and recommended is not None and results[recommended].source != "measured":
             r = results[recommended]
@@ -147,7 +149,7 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
                 results[recommended] = replace(measured, seconds=r.seconds)
             except StepFailed as exc:
                 failed.setdefault(str(exc), []).append(results.pop(recommended).plan)
-            _rank(results, budget, device)
+            _rank(results, budget, device, detection)
             recommended = _recommend(results, budget)
         order = sorted(range(len(results)), key=lambda i: (results[i].seconds, results[i].peak_bytes))
         index = {old: new for new, old in enumerate(order)}
@@ -156,7 +158,7 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
         notes += _stand_in_note(cfg, world_size, configured)
         return Prediction(device, world_size, budget, [results[i] for i in order],
                           index.get(recommended) if recommended is not None else None, time.perf_counter() - start,
-                          notes=notes, fake_steps=len(runs.cache), input=inputs.planned(configured.micro_batch),
+                          notes=notes, fake_steps=len(runs.cache), input=planned,
                           levers=levers)
 
 
@@ -171,11 +173,11 @@ def _stand_in_note(cfg: dict, world_size: int, configured: Plan) -> list[str]:
             f"the FSDP2/ZeRO-1 step of the same sharding ({configured.sharding}), an estimate of the engine's memory"]
 
 
-def _rank(results: list[PlanResult], budget: int, device: Device) -> None:
+def _rank(results: list[PlanResult], budget: int, device: Device, detection: bool = False) -> None:
     base = results[0].seconds or 1.0
     for r in results:
         r.rel_step_time = r.seconds / base
-        r.fits = r.peak_bytes <= budget * (1 - fit_margin(r, device))
+        r.fits = r.peak_bytes <= budget * (1 - fit_margin(r, device, detection))
 
 
 def _recommend(results: list[PlanResult], budget: int) -> int | None:

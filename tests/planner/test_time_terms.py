@@ -66,3 +66,10 @@ def test_a_row_fits_with_the_margin_its_kind_needs():
     cpu_rows = [replace(r) for r in rows]
     _rank(cpu_rows, budget, this_cpu(0.001))
     assert all(r.fits for r in cpu_rows)  # a CPU target's figures are its live tensor bytes: no margin
+    # A detector's rows (its input has boxes) keep the larger margin DINO's measured errors need, whatever their kind.
+    assert {fit_margin(r, h100, detection=True) for r in rows} == {FIT_MARGINS["detection"]}
+    near = [replace(r, peak_bytes=int(0.91 * budget)) for r in rows]
+    _rank(near, budget, h100, detection=True)
+    assert not any(r.fits for r in near)  # 91% of the budget: outside 11%
+    _rank(near, budget, h100)
+    assert all(r.fits for r in near)
