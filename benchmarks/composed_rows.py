@@ -50,6 +50,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--only", default="", help="rows whose plan name contains this")
+    parser.add_argument("--plans", default="", help="these rows (plan names, comma-separated), in this order")
     parser.add_argument("--gpu", default="H100")
     parser.add_argument("--out", default="benchmarks/results/composed_rows.csv")
     args = parser.parse_args()
@@ -62,6 +63,9 @@ def main() -> None:
           f"{args.world} ranks, {args.gpu})")
     rows = [r for r in pred.results if r.source == "composed" and args.only in r.plan.name]
     random.Random(0).shuffle(rows)
+    if args.plans:
+        named = {r.plan.name: r for r in pred.results}
+        rows = [named[n] for n in args.plans.split(",") if n in named]
     out = []
     print(f"{'plan':48s} {'allocated MiB (own)':>22s} {'err':>6s} {'reserved MiB (own)':>22s} {'err':>6s}")
     for r in rows[:args.rows]:
