@@ -278,10 +278,11 @@ class Composer:
 
 
 def _larger(results: list[PlanResult]) -> PlanResult:
-    """Of one plan's compositions at several anchors, the one allocating most, with the most any reserved (its
-    allocator run's slack is measured on that anchor's sharding step)."""
+    """Of one plan's compositions at several anchors, the one allocating most, with the largest free space in the
+    segments any left beside its allocations (each allocator run's slack is measured on its anchor's sharding
+    step, and either step's fragmentation can be the plan's)."""
     out = max(results, key=lambda r: (r.allocated, r.peak_bytes))
-    more = max(r.reserved for r in results) - out.reserved
+    more = max(r.reserved - r.allocated for r in results) - (out.reserved - out.allocated)
     if more <= 0:
         return out
     breakdown = {**out.breakdown, "allocator_slack": out.breakdown.get("allocator_slack", 0) + more}
