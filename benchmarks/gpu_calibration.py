@@ -132,7 +132,8 @@ def measure_one(index: int) -> dict:
 
 def trace_one(index: int, out: Path) -> dict:
     """Record the caching allocator's trace of case ``index`` from an empty allocator: the model built, two
-    optimizer steps (the second on the segments the first left). Written to ``out/trace_<index>.json.gz``
+    optimizer steps (the second on the segments the first left; after the steps fp16's loss scaler skips, which
+    are recorded too). Written to ``out/trace_<index>.json.gz``
     (rows: action, addr, size, stream; benchmarks/allocator_trace_format.py) with the peaks and the segment
     boundaries of each step."""
     import gzip
@@ -141,7 +142,7 @@ def trace_one(index: int, out: Path) -> dict:
     from allocator_recording import start_recording, stop_recording
     from allocator_trace_format import compact_trace, device_trace
 
-    from memfit.planner.bench import build_for_training
+    from memfit.planner.bench import WARMUP_STEPS, build_for_training, optimizer_state_tensors
     from memfit.planner.inputs import Inputs
 
     name, spec, options, words = CASES[index]
@@ -156,11 +157,12 @@ def trace_one(index: int, out: Path) -> dict:
         how = start_recording(2_000_000)
         model, wrapper, _ = build_for_training(run_cfg)
         k = plan.accumulative_counts
-        wrapper.initialize_count_status(model, 0, 2 * k)
-        marks = []
-        for _ in range(2):
+        wrapper.initialize_count_status(model, 0, (WARMUP_STEPS + 2) * k)
+        marks, after_state = [], 0
+        while after_state < 2 and len(marks) < WARMUP_STEPS + 2:  # fp16's scaler may skip the first steps
             for _ in range(k):
                 model.train_step(batch, optim_wrapper=wrapper)
+            after_state += bool(optimizer_state_tensors(wrapper.optimizer))
             torch.cuda.synchronize()
             marks.append({"trace_len": len(device_trace(torch.cuda.memory._snapshot(), 0)),
                           "allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
