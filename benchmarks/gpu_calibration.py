@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -216,6 +217,17 @@ def workspaces() -> dict:
     return out
 
 
+def _child(*args: str) -> subprocess.CompletedProcess:
+    """This script run with ``args`` in a fresh process (an empty caching allocator), within
+    ``MEMFIT_CAL_CASE_S`` seconds (default 240); a run past it comes back as exit status 124."""
+    try:
+        return subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
+                              timeout=int(os.environ.get("MEMFIT_CAL_CASE_S", "240")),
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess([], 124, "", "timed out")
+
+
 def measure(out: Path, only: list[int] | None, trace: list[int] | None = None) -> None:
     """Measure the cases ``only`` (indices, in that order; default all), after recording the allocator traces of
     the cases ``trace`` (``[]``: the TRACED cases among ``only``; None: none)."""
@@ -223,21 +235,14 @@ def measure(out: Path, only: list[int] | None, trace: list[int] | None = None) -
     order = only or list(range(len(CASES)))
     if trace is not None:
         for i in trace or [i for i in order if CASES[i][0] in TRACED]:
-            proc = subprocess.run([sys.executable, __file__, "trace", str(i), "--out", str(out)],
-                                  capture_output=True, text=True, timeout=240,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            proc = _child("trace", str(i), "--out", str(out))
             print(proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 and proc.stdout.strip() else
                   f"{CASES[i][0]}: trace FAILED rc={proc.returncode}\n{proc.stderr[-3000:]}", flush=True)
     results = []
     for i in order:
         case = CASES[i]
         start = time.perf_counter()
-        try:
-            proc = subprocess.run([sys.executable, __file__, "one", str(i)], capture_output=True, text=True,
-                                  timeout=int(os.environ.get("MEMFIT_CAL_CASE_S", "240")),
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        except subprocess.TimeoutExpired:
-            proc = subprocess.CompletedProcess([], 124, "", "timed out")
+        proc = _child("one", str(i))
         line = next((x for x in proc.stdout.splitlines()[::-1] if x.startswith("{")), None)
         if proc.returncode or line is None:
             print(f"{case[0]}: FAILED rc={proc.returncode}\n{proc.stderr[-3000:]}", flush=True)
@@ -249,7 +254,7 @@ def measure(out: Path, only: list[int] | None, trace: list[int] | None = None) -
                   f"outside allocator {r['outside_allocator'] / MIB:.0f} MiB "
                   f"(bare context {r['context_bare'] / MIB:.0f}), cuBLAS workspace "
                   f"{r['cublas_workspace'] / MIB:.1f} MiB, step {r['seconds']:.3f} s "
-                  f"(host {sorted(r['host_times'])[len(r['host_times']) // 2]:.3f} s) "
+                  f"(host {statistics.median(r['host_times']):.3f} s) "
                   f"[{time.perf_counter() - start:.0f} s]", flush=True)
         (out / "measured.json").write_text(json.dumps(results, indent=1))
 
