@@ -1,4 +1,4 @@
-"""The planner's prediction of the seed's DINO Swin-L memory table, at full size, beside the seed's numbers.
+"""The planner's prediction of MMDetection's DINO Swin-L memory table, at full size, beside its numbers.
 
 MMDetection's projects/example_largemodel measured DINO Swin-L (8 GPUs x 2 images, 1333x800) with every
 combination of AMP, checkpointing of the backbone and of the encoder, and FSDP. This script runs
@@ -6,9 +6,9 @@ combination of AMP, checkpointing of the backbone and of the encoder, and FSDP. 
 configs/detection/dino-5scale_swin-l_8xb2-12e_coco.py with the row's switches, 8 fake ranks, a batch of two
 1333x800 images (the size MMDetection's table was measured at; its multi-scale pipeline can make larger
 batches, which `memfit plan` on the config itself plans for: docs/planner.md), for an A100-80 (rows 1-4,
-where the seed ran out of 24 GB) and a 3090 (rows 5-8). It prints the predicted allocated/reserved peak per
-rank beside the seed's "Peak Mem" (MMEngine logs torch.cuda.max_memory_allocated in MiB, so GB here are GiB) and the
-predicted step time relative to row 1 beside the seed's iteration times.
+where MMDetection ran out of 24 GB) and a 3090 (rows 5-8). It prints the predicted allocated/reserved peak per
+rank beside MMDetection's "Peak Mem" (MMEngine logs torch.cuda.max_memory_allocated in MiB, so GB here are GiB) and the
+predicted step time relative to row 1 beside MMDetection's iteration times.
 
     python benchmarks/detection_plan_rows.py [--rows 1,2,...] [--out benchmarks/results/detection_plan_rows]
 """
@@ -27,10 +27,10 @@ from memfit.planner.predict import predict
 from memfit.planner.report import write_csv
 
 CONFIG = Path(__file__).parents[1] / "configs" / "detection" / "dino-5scale_swin-l_8xb2-12e_coco.py"
-# MMEngine logs max_memory_allocated / 2**20 as "memory" (MB), so the seed's "GB" are GiB.
+# MMEngine logs max_memory_allocated / 2**20 as "memory" (MB), so MMDetection's "GB" are GiB.
 GIB = 2**30
 AMP, GC_BACKBONE, GC_ENCODER, FSDP = "amp", "gc_backbone", "gc_encoder", "fsdp"
-# (id, switches, seed's peak GB, seed's iteration time s, GPU the seed measured on)
+# (id, switches, MMDetection's peak GB, its iteration time s, GPU it measured on)
 ROWS = [
     (1, (), 49, 0.9, "A100-80"),
     (2, (AMP,), 39, 1.2, "A100-80"),
@@ -93,11 +93,11 @@ def main() -> None:
                             allocated_gb=r.allocated / GIB, reserved_gb=r.reserved / GIB,
                             peak_gb=r.peak_bytes / GIB, seconds=r.seconds, seed_s=seed_s,
                             planned_s=time.perf_counter() - start))
-            print(f"row {rid}: {out[-1]['allocated_gb']:.1f} GB allocated (seed {seed_gb} GB) "
+            print(f"row {rid}: {out[-1]['allocated_gb']:.1f} GB allocated (MMDetection {seed_gb} GB) "
                   f"in {out[-1]['planned_s']:.0f} s", flush=True)
     base = next((o for o in out if o["id"] == 1), out[0])
-    print("\n| ID | AMP | GC of Backbone | GC of Encoder | FSDP | seed Peak Mem (GB) | predicted allocated (GB) "
-          "| error | predicted reserved (GB) | seed iter time (ratio) | predicted step time (ratio) |")
+    print("\n| ID | AMP | GC of Backbone | GC of Encoder | FSDP | MMDetection Peak Mem (GB) | predicted allocated (GB) "
+          "| error | predicted reserved (GB) | MMDetection iter time (ratio) | predicted step time (ratio) |")
     print("|" + "---|" * 11)
     for o in out:
         on = [("√" if s in o["switches"].split("+") else "") for s in (AMP, GC_BACKBONE, GC_ENCODER, FSDP)]

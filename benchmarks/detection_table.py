@@ -1,30 +1,30 @@
-"""The seed's DINO Swin-L memory tables (MMDetection projects/example_largemodel) measured on this CPU.
+"""DINO Swin-L memory tables of MMDetection's large-model example (projects/example_largemodel), measured on this CPU.
 
     python benchmarks/detection_table.py                     # all 10 rows, 128 px: 10-15 min on 2 cores
     python benchmarks/detection_table.py --rows 1,3,5 --size 192 --steps 2
-    python benchmarks/detection_table.py --predict           # + the planner's peaks at the seed's input size
+    python benchmarks/detection_table.py --predict           # + the planner's peaks at MMDetection's input size
 
-The model is the seed's config as it is (configs/detection/dino-5scale_swin-l_8xb2-12e_coco.py: DINO,
+The model is the example's config as it is (configs/detection/dino-5scale_swin-l_8xb2-12e_coco.py: DINO,
 Swin-L, 5 scales, 900 queries, 80 classes, AdamW, 218M parameters). Only its data changes: the built-in
-shapes written as a COCO dataset of ``--size`` px squares (the seed's COCO images are resized to about
-1333x800), loaded without augmentation (LoadImageFromFile, LoadAnnotations, PackDetInputs), 2 images per
-rank as the seed's 8xb2. 900 queries need 900 feature positions: ``--size`` 128 is the smallest. Each
-row's switches come from the row configs beside the seed's: ``activation_checkpointing`` of the FSDP
+shapes written as a COCO dataset of ``--size`` px squares (MMDetection's COCO images are resized to
+about 1333x800), loaded without augmentation (LoadImageFromFile, LoadAnnotations, PackDetInputs), 2 images per
+rank as in its 8xb2. 900 queries need 900 feature positions: ``--size`` 128 is the smallest. Each
+row's switches come from the row configs beside the base config: ``activation_checkpointing`` of the FSDP
 config (backbone: its ``types``, encoder: its ``names``) and the ``strategy`` of the FSDP and DeepSpeed
-configs, FSDP with the seed's units (``wrap_modules``: Swin blocks and encoder layers, as MMDetection's
+configs, FSDP with the example's units (``wrap_modules``: Swin blocks and encoder layers, as MMDetection's
 project wraps ``SwinBlock`` and ``DeformableDetrTransformerEncoderLayer``). AMP is ``AmpOptimWrapper``
-with ``dtype='bfloat16'`` (the seed used fp16 on GPUs; both halve the same tensors).
+with ``dtype='bfloat16'`` (MMDetection used fp16 on GPUs; both halve the same tensors).
 
 Each row follows ``memfit bench``'s protocol (:func:`memfit.planner.bench.measure_plan`): a fresh model
 (seed 0), a warm-up optimizer step so AdamW's state exists, one step under memfit's tracker (peak and
 breakdown at the peak), then ``--steps`` timed steps (median). Every measuring process runs one thread
 and shares the 2 cores with one other: the one-process rows two at a time, the sharded rows on 2 gloo
-ranks (``memfit.testing.launch``); the seed used 8 ranks, so sharded model state here is /2, not /8.
+ranks (``memfit.testing.launch``); MMDetection used 8 ranks, so sharded model state here is /2, not /8.
 Step time is CPU seconds of the process (the slowest rank's): on a shared machine the wall clock
 measures the other users' load too (wall seconds are in the CSV). ``--predict`` adds memfit's planner
-(fake tensors, no allocation) at the seed's input size, GPU and rank count for the non-DeepSpeed rows.
+(fake tensors, no allocation) at MMDetection's input size, GPU and rank count for the non-DeepSpeed rows.
 
-Prints the seed's two tables with memfit's numbers beside them and writes ``detection_table.csv`` and
+Prints the example's two tables with memfit's numbers beside them and writes ``detection_table.csv`` and
 ``.png`` under ``--out``. "GB" is 2**30 bytes, as in MMEngine's memory log.
 """
 
@@ -155,7 +155,7 @@ def run_rows(ids: list[str], size: int, steps: int, tmp: Path) -> dict[str, list
 
 
 def predict_seed_size(ids: list[str], tmp: Path) -> dict[str, float]:
-    """memfit's planner (a fake-tensor step, ``memfit plan --as-is``) per row at the seed's input size,
+    """memfit's planner (a fake-tensor step, ``memfit plan --as-is``) per row at MMDetection's input size,
     GPU and rank count: GB per rank. DeepSpeed rows are left out (the planner does not run its engine)."""
     from memfit.planner.devices import gpu
     from memfit.planner.predict import predict
@@ -169,7 +169,7 @@ def predict_seed_size(ids: list[str], tmp: Path) -> dict[str, float]:
             continue
         cfg = row_config(base, row)
         if row.amp:
-            cfg["optim_wrapper"]["dtype"] = "float16"  # the seed's; the same bytes as bf16
+            cfg["optim_wrapper"]["dtype"] = "float16"  # MMDetection's; the same bytes as bf16
         res = predict(cfg, device=gpu(row.seed_gpu), world_size=SEED_RANKS if row.shard else 1, as_is=True)
         out[i] = res.results[0].peak_bytes / GB
         print(f"  planner, row {i} at {SEED_INPUT[0]}x{SEED_INPUT[1]} on {row.seed_gpu}: {out[i]:.1f} GB", flush=True)
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", default=",".join(BY_ID), help=f"comma-separated ids of {', '.join(BY_ID)} (all)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the CSV and PNG")
     parser.add_argument("--predict", action="store_true",
-                        help=f"also the planner's peak at {SEED_INPUT[0]}x{SEED_INPUT[1]} on the seed's GPUs")
+                        help=f"also the planner's peak at {SEED_INPUT[0]}x{SEED_INPUT[1]} on MMDetection's GPUs")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # a child process: the data directory
     parser.add_argument("--name", help=argparse.SUPPRESS)  # a one-process child's result file
     args = parser.parse_args(argv)
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         predicted = predict_seed_size(ids, Path(tmp) / "predict") if args.predict else {}
     recs = table_rows(results, predicted)
     print("\n" + markdown(recs, args.size))
-    print(f"\nSharded rows ran on {RANKS} gloo ranks; the seed used {SEED_RANKS}: sharded model state here is "
+    print(f"\nSharded rows ran on {RANKS} gloo ranks; MMDetection used {SEED_RANKS}: sharded model state here is "
           f"/{RANKS}, not /{SEED_RANKS}. Iter Time ratio: CPU seconds per step against row {recs[0]['time_base']}.")
     if native:
         print("AMP rows: bf16 autocast on a CPU with native bf16; their times say little about fp16 on a GPU, "

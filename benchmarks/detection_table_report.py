@@ -1,5 +1,5 @@
-"""benchmarks/detection_table.py's results: one flat record per row, the seed's two tables with memfit's numbers
-beside them (Markdown) and a chart of the peaks."""
+"""benchmarks/detection_table.py's results: one flat record per row, the two tables of MMDetection's large-model
+example with memfit's numbers beside them (Markdown) and a chart of the peaks."""
 
 from __future__ import annotations
 
@@ -44,11 +44,11 @@ def _tick(flag: bool) -> str:
 
 
 def markdown(recs: list[dict[str, Any]], size: int) -> str:
-    """Both seed tables, the seed's numbers beside memfit's, then the breakdown of every row."""
+    """Both of MMDetection's tables, its numbers beside memfit's, then the breakdown of every row."""
     by_id = {r["id"]: r for r in recs}
     planned = any(r["planner_seed_size_gb"] != "" for r in recs)
-    head = ["ID", "AMP", "GC of Backbone", "GC of Encoder", "FSDP", "Peak Mem (GB) seed", "Iter Time ratio seed",
-            f"Peak Mem (GB) memfit {size} px, rank 0 / max", "Iter Time ratio memfit"]
+    head = ["ID", "AMP", "GC of Backbone", "GC of Encoder", "FSDP", "Peak Mem (GB) MMDetection",
+            "Iter Time ratio MMDetection", f"Peak Mem (GB) memfit {size} px, rank 0 / max", "Iter Time ratio memfit"]
     if planned:
         head.append(f"Peak Mem (GB) memfit planner {SEED_INPUT[0]}x{SEED_INPUT[1]}")
 
@@ -65,7 +65,7 @@ def markdown(recs: list[dict[str, Any]], size: int) -> str:
                 cells.append(f"{r['planner_seed_size_gb']:.1f}" if r["planner_seed_size_gb"] != "" else "")
         return "| " + " | ".join(cells) + " |"
 
-    out = [f"Example 1 (FSDP): memfit at {size}x{size} px, {BATCH} images/rank; the seed at ~1333x800, 8 GPUs",
+    out = [f"Example 1 (FSDP): memfit at {size}x{size} px, {BATCH} images/rank; MMDetection at ~1333x800, 8 GPUs",
            "", "| " + " | ".join(head) + " |", "|" + ":-:|" * len(head)]
     out += [line(row.id, row, "fsdp", row.seed_gb, row.seed_s) for row in ROWS[:8]]
     out += ["", "Example 2 (DeepSpeed ZeRO-3): rows 1, 2, 3, 5 are Example 1's rows 1, 2, 4, 6", "",
@@ -83,7 +83,7 @@ def markdown(recs: list[dict[str, Any]], size: int) -> str:
 
 def chart(recs: list[dict[str, Any]], size: int, path: Path) -> None:
     """Left: rank 0's peak broken down by part; right: each row's peak relative to row 1's, memfit (and its
-    planner at the seed's size, when run) beside the seed."""
+    planner at MMDetection's size, when run) beside MMDetection's."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -106,10 +106,10 @@ def chart(recs: list[dict[str, Any]], size: int, path: Path) -> None:
     ref = next((r for r in recs if r["id"] == "1"), recs[0])
     series = [(f"memfit {size} px (CPU)", [r["peak_gb_rank0"] / ref["peak_gb_rank0"] for r in recs])]
     if ref["planner_seed_size_gb"] != "":
-        series.append(("memfit planner, seed's size (GPU)", [
+        series.append(("memfit planner, MMDetection's size (GPU)", [
             r["planner_seed_size_gb"] / ref["planner_seed_size_gb"] if r["planner_seed_size_gb"] != "" else 0.0
             for r in recs]))
-    series.append(("seed (GPU)", [r["seed_gb"] / ref["seed_gb"] for r in recs]))
+    series.append(("MMDetection (GPU)", [r["seed_gb"] / ref["seed_gb"] for r in recs]))
     w = 0.8 / len(series)
     for k, (name, vals) in enumerate(series):
         ax2.bar([i + (k - (len(series) - 1) / 2) * w for i in x], vals, w, label=name)

@@ -1,6 +1,6 @@
-"""The seed's DINO Swin-L memory tables that benchmarks/detection_table.py measures: each row's switches and
-the seed's numbers, and the config a row runs (the seed's config on the shapes-coco data, with the row's switches
-taken from the seed's FSDP and DeepSpeed row configs)."""
+"""The DINO Swin-L memory tables of MMDetection's large-model example that benchmarks/detection_table.py
+measures: each row's switches and MMDetection's numbers, and the config a row runs (the example's config on the
+shapes-coco data, with the row's switches taken from its FSDP and DeepSpeed row configs)."""
 
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ GB = 2**30
 RANKS = 2
 BATCH = 2
 SEED_RANKS = 8
-SEED_INPUT = (1066, 800)  # (w, h): a 4:3 COCO image at the seed's largest training scale (800, 1333)
-# The seed's FSDP units (its name_auto_wrap_policy: SwinBlock, DeformableDetrTransformerEncoderLayer).
+SEED_INPUT = (1066, 800)  # (w, h): a 4:3 COCO image at MMDetection's largest training scale (800, 1333)
+# MMDetection's FSDP units (its name_auto_wrap_policy: SwinBlock, DeformableDetrTransformerEncoderLayer).
 FSDP_UNITS = ["SwinTransformerBlock", "DeformableEncoderLayer"]
 
 
 @dataclass(frozen=True)
 class Row:
-    """A row of the seed's tables: its switches, the seed's peak (GB), iteration time (s) and GPU."""
+    """A row of MMDetection's tables: its switches and the example's peak (GB), iteration time (s) and GPU."""
 
     id: str
     amp: bool
@@ -50,13 +50,13 @@ ROWS = [
     Row("ds6", True, True, True, "deepspeed", 5.0, 1.4),
 ]
 BY_ID = {r.id: r for r in ROWS}
-# Example 2's table: (its ID, the row measured for it, the seed's GB and seconds in Example 2).
+# Example 2's table: (its ID, the row measured for it, MMDetection's GB and seconds in Example 2).
 EXAMPLE2 = [("1", "1", 49, 0.9), ("2", "2", 39, 1.2), ("3", "4", 25, 1.3), ("4", "ds4", 10.5, 1.5),
             ("5", "6", 13, 1.6), ("6", "ds6", 5.0, 1.4)]
 
 
 def base_config(data_root: Path, resize: tuple[int, int] | None = None) -> dict:
-    """The seed's config with its COCO data swapped for the shapes-coco dataset under ``data_root``
+    """MMDetection's DINO Swin-L config with its COCO data swapped for the shapes-coco dataset under ``data_root``
     (``resize``: (w, h) every image is resized to)."""
     cfg = Config.fromfile(SEED_CFG).to_dict()
     pipeline = [dict(type="LoadImageFromFile"), dict(type="LoadAnnotations", with_bbox=True)]
@@ -73,7 +73,7 @@ def base_config(data_root: Path, resize: tuple[int, int] | None = None) -> dict:
 
 
 def row_config(base: dict, row: Row) -> dict:
-    """``base`` with the row's switches, taken from the seed's FSDP and DeepSpeed row configs."""
+    """``base`` with the row's switches, taken from MMDetection's FSDP and DeepSpeed row configs."""
     fsdp, ds = Config.fromfile(FSDP_CFG).to_dict(), Config.fromfile(DS_CFG).to_dict()
     gc = fsdp["activation_checkpointing"]  # dict(types=['SwinTransformerBlock'], names=['encoder.layers'])
     cfg = {**base, "optim_wrapper": dict(base["optim_wrapper"])}
@@ -83,7 +83,7 @@ def row_config(base: dict, row: Row) -> dict:
     if spec:
         cfg["activation_checkpointing"] = spec
     if row.shard == "fsdp":
-        # The units that gave the seed's numbers. wrap_modules takes precedence over the row config's
+        # The units that gave MMDetection's numbers. wrap_modules takes precedence over the row config's
         # size-based policy (MMEngine's example), which makes stage 3's 18 Swin blocks one unit.
         cfg["strategy"] = {**fsdp["strategy"], "wrap_modules": FSDP_UNITS}
     elif row.shard:

@@ -45,7 +45,7 @@ VIT_L = ["model.model_name=vit_large_patch16_224", "model.embed_dim=1024", "mode
          "train_dataloader.batch_size=64", *_TIMM_224]
 DEIT_B = ["model.model_name=deit_base_patch16_224", "model.embed_dim=768", "model.depth=12", "model.num_heads=12",
           "train_dataloader.batch_size=64", *_TIMM_224]
-# (name, config, --cfg-options, plan words or 'configured'; 'dino:N' configs are the seed table's row N)
+# (name, config, --cfg-options, plan words or 'configured'; 'dino:N' configs are row N of MMDetection's table)
 CASES: list[tuple[str, str, list[str], str]] = [
     ("swin-l fp32", str(SWIN_L), [], "fp32 mb32x1"),
     ("swin-l fp16", str(SWIN_L), [], "fp16 mb32x1"),

@@ -8,7 +8,7 @@ reports the wall time, the CPU seconds of this process and its worker processes,
 steps and the plans predicted. The target is 60 s on 2 cores for both. Workloads:
 
 - swin-l: configs/swin_l_shapes.py (Swin-L 197M, 224 px, batch 32 per rank, AMP, FSDP) for 8 x 4090;
-- dino-swin-l: the seed's DINO Swin-L (configs/detection/dino-5scale_swin-l_8xb2-12e_coco.py, 218M,
+- dino-swin-l: MMDetection's DINO Swin-L (configs/detection/dino-5scale_swin-l_8xb2-12e_coco.py, 218M,
   two 1333x800 images per rank) for 8 x 3090, on a tiny shapes-coco set written here.
 
 Prints a Markdown table and writes ``benchmarks/results/plan_time.csv``.

@@ -33,7 +33,7 @@ train_cfg = dict(by_epoch=True, max_epochs=30, val_interval=1)
 val_cfg = dict()
 
 optim_wrapper = dict(
-    type='AmpOptimWrapper',  # fp16 autocast on CUDA, as the seeds
+    type='AmpOptimWrapper',  # fp16 autocast on CUDA, as in MMEngine's and MMDetection's large-model guides
     optimizer=dict(type='AdamW', lr=1e-3, weight_decay=0.05),
     paramwise_cfg=dict(norm_decay_mult=0.0, bias_decay_mult=0.0),
     clip_grad=dict(max_norm=5.0),

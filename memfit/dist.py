@@ -110,8 +110,8 @@ def resolve_launcher(launcher: str | None) -> str:
 
 
 def launcher_from_env(launcher: str) -> str:
-    """'pytorch' when torchrun's variables are set but the launcher was left at 'none' (the seeds'
-    Python snippets build a Runner without ``launcher=``); otherwise ``launcher`` unchanged."""
+    """'pytorch' when torchrun's variables are set but the launcher was left at 'none' (the Python
+    snippets of MMEngine's guides build a Runner without ``launcher=``); otherwise ``launcher`` unchanged."""
     if launcher == "none" and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return "pytorch"
     return launcher
@@ -140,8 +140,8 @@ def free_port() -> int:
 
 def launcher_with_group(launcher: str) -> str:
     """The launcher for backends that always need a process group (DeepSpeed, ColossalAI): under
-    torchrun with ``launcher='none'`` (as the seeds' FlexibleRunner scripts run) join torchrun's group;
-    alone, make a one-process group on a free local port."""
+    torchrun with ``launcher='none'`` (as the FlexibleRunner scripts of MMEngine's large-model training
+    guide run) join torchrun's group; alone, make a one-process group on a free local port."""
     if launcher != "none" or is_distributed():
         return launcher
     if "RANK" not in os.environ:

@@ -31,7 +31,7 @@ from memfit.resume import RunnerCheckpoints
 
 
 class Runner(RunnerCheckpoints, RunnerHooks):
-    """MMEngine's Runner API on memfit. Pass live objects or config dicts (see the seeds)."""
+    """MMEngine's Runner API on memfit. Pass live objects or config dicts (see MMEngine's guides)."""
 
     def __init__(
         self,
@@ -346,5 +346,5 @@ class Runner(RunnerCheckpoints, RunnerHooks):
 
         dump_config(self._cfg_to_dump, self.log_dir / "config.py")
 
-# The seeds import FlexibleRunner; it is the same engine (it always took ``strategy=``).
+# MMEngine's large-model training guide imports FlexibleRunner; it is the same engine (it always took ``strategy=``).
 FlexibleRunner = Runner

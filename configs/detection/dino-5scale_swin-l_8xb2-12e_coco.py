@@ -1,11 +1,11 @@
-# The seeds' workload (MMDetection projects/example_largemodel): DINO with a Swin-L backbone over 5 feature
-# scales on COCO, 8 GPUs x 2 images, 12 epochs. MMDetection's dino-5scale_swin-l_8xb2-12e_coco.py, with
-# memfit's TimmBackbone in place of mmdet's SwinTransformer (same architecture: timm's
-# swin_large_patch4_window12_384).
+# The workload of MMDetection's large-model example (projects/example_largemodel): DINO with a Swin-L
+# backbone over 5 feature scales on COCO, 8 GPUs x 2 images, 12 epochs. MMDetection's
+# dino-5scale_swin-l_8xb2-12e_coco.py, with memfit's TimmBackbone in place of mmdet's SwinTransformer (same
+# architecture: timm's swin_large_patch4_window12_384).
 #   torchrun --nproc-per-node 8 -m memfit train configs/detection/dino-5scale_swin-l_8xb2-12e_coco.py
 # Put COCO under data/coco/ (annotations/instances_{train,val}2017.json, train2017/, val2017/) and, for the
 # pretrained backbone, set model.backbone.pretrained to a local timm checkpoint of the model below.
-# The memory switches of the seed's tables are one --cfg-options line each: see docs/detection.md.
+# The memory switches of the example's tables are one --cfg-options line each: see docs/detection.md.
 
 data_root = 'data/coco/'
 num_levels = 5

@@ -2,8 +2,8 @@
 
 Values are Python literals where they parse (``1``, ``1e-3``, ``[1, 2]``, ``(1, 2)``, ``'abc'``,
 ``True``, ``None``) plus the spellings a shell user types: ``true``/``false``/``none`` in any case,
-``dict(x=1)``, bare words (``abc`` -> ``'abc'``), bracketed lists of bare words as in the seed's
-``efficient_conv_bn_eval="[backbone]"`` (-> ``['backbone']``, nested brackets too, and names with
+``dict(x=1)``, bare words (``abc`` -> ``'abc'``), bracketed lists of bare words as in MMEngine's
+memory-saving guide's ``efficient_conv_bn_eval="[backbone]"`` (-> ``['backbone']``, nested brackets too, and names with
 digits such as ``[backbone.layers.0]``), and top-level commas (``1,2`` -> ``[1, 2]``). Anything else
 stays the raw string. One level of quotes around the whole value is removed first, as MMEngine's
 ``DictAction`` does, so ``"[backbone]"`` is a list; quote twice (``"'[backbone]'"``) for the string.

@@ -16,7 +16,7 @@ from memfit.registry import METRICS
 class Accuracy(BaseMetric):
     """Top-k accuracy in percent: ``dict(type='Accuracy', topk=(1, 5))`` -> ``accuracy/top1``, ``accuracy/top5``.
 
-    Accepts predictions as ``(scores, labels)`` (the seeds' models) or a list of dicts with
+    Accepts predictions as ``(scores, labels)`` (the models in MMEngine's guides) or a list of dicts with
     ``pred_score``/``gt_label`` (mmpretrain's data samples).
     """
 

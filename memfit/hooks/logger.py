@@ -1,4 +1,5 @@
-"""LoggerHook: the console line of the seeds' logs, a progress bar, JSON lines and TensorBoard."""
+"""LoggerHook: the console line of MMEngine's logs (as in its large-model training guide), a progress bar,
+JSON lines and TensorBoard."""
 
 from __future__ import annotations
 

@@ -81,7 +81,7 @@ from memfit.measure.storages import (
     storages,
 )
 
-MB = 2**20  # "MB" in reports means MiB, as in MMEngine's and the seeds' memory logs
+MB = 2**20  # "MB" in reports means MiB, as in MMEngine's memory logs (its large-model training guide's too)
 
 
 class MemoryTracker:

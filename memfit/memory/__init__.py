@@ -1,10 +1,11 @@
 """Memory techniques: functions applied to the built model before the strategy wraps it.
 
-``apply_memory_techniques`` reads the seeds' switches from the runner's ``cfg`` and applies each in
-an order that composes: Conv-BN folding, activation checkpointing, activation offload. (fp32
-islands belong to the precision: :mod:`memfit.precision.fp32_islands`.) Each technique is a module of its
-own (``conv_bn``, ``checkpointing``, ``offload``; ``wrapping`` is the forward replacement the last two
-share). Measuring what they save is :mod:`memfit.measure`'s work, not this package's.
+``apply_memory_techniques`` reads the memory switches (as in MMEngine's memory-saving guide) from the
+runner's ``cfg`` and applies each in an order that composes: Conv-BN folding, activation checkpointing,
+activation offload. (fp32 islands belong to the precision: :mod:`memfit.precision.fp32_islands`.) Each
+technique is a module of its own (``conv_bn``, ``checkpointing``, ``offload``; ``wrapping`` is the forward
+replacement the last two share). Measuring what they save is :mod:`memfit.measure`'s work, not this
+package's.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Activation checkpointing: by module name, by module type, every N-th block, selective (op-level), or
 an ``nn.Sequential`` split into N segments.
 
-``apply_activation_checkpointing(model, ['backbone.layers.0'])`` is the seeds'
-``cfg=dict(activation_checkpointing=[...])``; the dict form adds
+``apply_activation_checkpointing(model, ['backbone.layers.0'])`` is MMEngine's
+memory-saving guide's ``cfg=dict(activation_checkpointing=[...])``; the dict form adds
 ``dict(names=[...], types=['SwinTransformerBlock'], every_n=2, selective=True)``, and
 ``dict(splits=N, module='trunk')`` (VISSL's ``NUM_ACTIVATION_CHECKPOINTING_SPLITS``) runs a
 Sequential's children as ``torch.utils.checkpoint.checkpoint_sequential`` does.

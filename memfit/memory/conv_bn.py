@@ -231,7 +231,7 @@ def find_conv_bn_pairs(module: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
 def apply_efficient_conv_bn_eval(model: nn.Module, names: list[str]) -> int:
     """Fold every eval-mode BN into its conv inside autograd, in the submodules ``names``.
 
-    ``names`` are qualified module names as in the seeds' ``efficient_conv_bn_eval=['backbone']``
+    ``names`` are qualified module names as in MMEngine's memory-saving guide's ``efficient_conv_bn_eval=['backbone']``
     (``''`` is the whole model). Returns the number of conv-BN pairs enabled (pairs enabled by an
     earlier call are not counted again). Gradients equal the unfused model's up to float rounding;
     BN layers in train mode are unaffected. Unknown names raise ConfigError with near matches.

@@ -4,8 +4,9 @@ The train step calls ``optim_context(model)`` around the forward and ``update_pa
 it. The wrapper is backend-agnostic: it decides *when* (gradients are synchronised and the
 optimizer steps only on the final micro-step of an accumulation window); its strategy decides
 *how* (``no_sync``, ``backward``, ``optimizer_step``, ``zero_grad``), and the strategy's precision
-how the forward runs and the loss is scaled. A wrapper used on its own (the seeds' loops without a
-runner) gets a one-device strategy with the precision its own arguments ask for.
+how the forward runs and the loss is scaled. A wrapper used on its own (the ``optim_wrapper_cfg`` of
+MMEngine's memory-saving guide in a loop without a runner) gets a one-device strategy with the precision
+its own arguments ask for.
 """
 
 from __future__ import annotations

@@ -54,8 +54,9 @@ def cpu_has_native_bf16() -> bool:
 
 
 def default_amp_dtype(device_type: str) -> torch.dtype | None:
-    """The autocast dtype when none is given: fp16 on CUDA (tensor cores, the seeds' setting); on CPU
-    bf16 where the CPU has it natively, else None (stay fp32: emulated bf16 only costs time)."""
+    """The autocast dtype when none is given: fp16 on CUDA (tensor cores, as in MMEngine's guides and
+    MMDetection's large-model example); on CPU bf16 where the CPU has it natively, else None (stay fp32:
+    emulated bf16 only costs time)."""
     log = logging.getLogger("memfit")
     if device_type == "cuda":
         dtype = torch.float16

@@ -4,7 +4,8 @@ the backend. What DeepSpeed's ``fp16``/``bf16`` sections and FSDP's ``mixed_prec
 The backend performs the cast (DeepSpeed's engine, FSDP2's MixedPrecisionPolicy); this policy
 carries the dtypes to it, so the precision of a run is decided in one place (the connector) and a
 strategy only translates it. Unlike autocast, every op runs in half, the loss computed inside the
-model included: numerically sensitive ops can overflow or stall (the seed's DINO run).
+model included: numerically sensitive ops can overflow or stall (the DINO run of MMDetection's large-model
+example).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """ColossalAIStrategy: train through colossalai's Booster with its Gemini, LowLevelZero or DDP plugin.
 
-The seeds' config is ``strategy=dict(type='ColossalAIStrategy', plugin='gemini'|'lowlevel-zero'|'ddp',
-mixed_precision='fp16'|'bf16')`` with ``optim_wrapper=dict(optimizer=dict(type='HybridAdam', lr=...))``.
-What runs where (colossalai 0.5.0 under torch 2.14; see docs/colossalai.md): on CPU only the DDP
-plugin works as shipped. LowLevelZero asserts a CUDA/NPU device, Gemini and HybridAdam need CUDA
-(HybridAdam's CPU kernel does not build against torch 2.14's headers), so those combinations are
-refused on CPU with a one-line error instead of failing deep inside colossalai.
+The config, as in MMEngine's large-model training guide, is
+``strategy=dict(type='ColossalAIStrategy', plugin='gemini'|'lowlevel-zero'|'ddp', mixed_precision='fp16'|'bf16')``
+with ``optim_wrapper=dict(optimizer=dict(type='HybridAdam', lr=...))``. What runs where (colossalai 0.5.0
+under torch 2.14; see docs/colossalai.md): on CPU only the DDP plugin works as shipped. LowLevelZero
+asserts a CUDA/NPU device, Gemini and HybridAdam need CUDA (HybridAdam's CPU kernel does not build
+against torch 2.14's headers), so those combinations are refused on CPU with a one-line error instead of
+failing deep inside colossalai.
 
 memfit joins the process group itself (colossalai's ``launch_from_torch`` no longer takes the
 ``config=`` that MMEngine's strategy passes). The DDP plugin's model and optimizer hold full state on
@@ -36,7 +37,7 @@ from memfit.strategies.route import route_forward
 
 logger = logging.getLogger("memfit")
 
-# The seeds' plugin names (and colossalai's class names) -> colossalai plugin class names.
+# MMEngine's plugin names (and colossalai's class names) -> colossalai plugin class names.
 PLUGINS = {"gemini": "GeminiPlugin", "lowlevel-zero": "LowLevelZeroPlugin", "low_level_zero": "LowLevelZeroPlugin",
            "ddp": "TorchDDPPlugin", "torch_ddp": "TorchDDPPlugin", "GeminiPlugin": "GeminiPlugin",
            "LowLevelZeroPlugin": "LowLevelZeroPlugin", "TorchDDPPlugin": "TorchDDPPlugin"}

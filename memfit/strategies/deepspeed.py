@@ -1,6 +1,6 @@
 """DeepSpeedStrategy: ZeRO 0-3 and CPU offload through a DeepSpeed engine, precision kept as its own axis.
 
-The seeds' config is accepted as written (``fp16=dict(...)``, ``bf16=dict(...)``,
+The config of MMEngine's large-model training guide is accepted as written (``fp16=dict(...)``, ``bf16=dict(...)``,
 ``inputs_to_half=[0]``, ``zero_optimization=dict(stage=3, offload_optimizer=..., cpu_offload=...)``,
 ``gradient_clipping=...`` and any other DeepSpeed key). memfit fills in what it already knows, so
 there is one source of truth: ``train_micro_batch_size_per_gpu`` from the train dataloader's
@@ -12,7 +12,8 @@ Precision (chosen by :mod:`memfit.connector`): an :class:`AutocastPrecision` (``
 parameters, master weights and the loss stay fp32 and only autocast-safe ops run in half (a
 GradScaler for fp16), so memfit's fp32 islands still hold. DeepSpeed's whole-model ``fp16``/``bf16``
 modes cast every parameter and the loss computed inside the model to half, like Apex O2: that is
-why the seed's DINO run overflowed every step. They stay available when asked for, with a warning.
+why the DINO run of MMDetection's large-model example overflowed every step. They stay available when
+asked for, with a warning.
 
 Checkpoints are directory checkpoints (:mod:`memfit.checkpoint.directory`) whose shards
 ``engine.save_checkpoint`` writes (each rank its own ZeRO shard); ``memfit export`` consolidates
@@ -48,8 +49,9 @@ logger = logging.getLogger("memfit")
 _HALF_WARNING = (
     "DeepSpeedStrategy {mode}=dict(enabled=True) casts the whole model, and the loss computed inside it, to "
     "{dtype} (like Apex O2): numerically sensitive ops (log/exp, small epsilons, large sums) can overflow or stall "
-    "- the seed's DINO run overflowed every step this way. Prefer optim_wrapper=dict(type='AmpOptimWrapper', "
-    "dtype=...) (DeepSpeed's torch_autocast: fp32 weights and losses) with the same ZeRO savings."
+    "- the DINO run of MMDetection's large-model example overflowed every step this way. "
+    "Prefer optim_wrapper=dict(type='AmpOptimWrapper', dtype=...) (DeepSpeed's torch_autocast: fp32 weights and "
+    "losses) with the same ZeRO savings."
 )
 
 
@@ -128,7 +130,7 @@ class DeepSpeedStrategy(Strategy):
     # -- environment -------------------------------------------------------------------------
     def setup_env(self, launcher: str = "none", env_cfg: dict | None = None) -> None:
         """DeepSpeed always needs a process group: join torchrun's (also when ``launcher='none'``, as
-        the seeds' FlexibleRunner scripts run it) or make a one-process group."""
+        the FlexibleRunner scripts of MMEngine's large-model training guide run it) or make a one-process group."""
         import_deepspeed()
         check_deepspeed_config(self.ds_config)  # DeepSpeed's own validation, before anything is built
         super().setup_env(dist.launcher_with_group(launcher), env_cfg)

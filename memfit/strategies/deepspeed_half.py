@@ -1,5 +1,6 @@
 """What DeepSpeed's whole-model ``fp16``/``bf16`` modes need around the engine (:mod:`memfit.strategies.deepspeed`):
-the seeds' ``inputs_to_half`` (cast chosen inputs to half) and BatchNorm kept in fp32 with fp32 statistics."""
+the ``inputs_to_half`` of MMEngine's large-model training guide (cast chosen inputs to half) and BatchNorm
+kept in fp32 with fp32 statistics."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from memfit.errors import ConfigError
 
 
 def cast_inputs(data: Any, which: list | None = None, dtype: torch.dtype | None = None) -> Any:
-    """The seeds' ``inputs_to_half``: cast the floating inputs at these positions (a tuple/list batch) or
-    keys (a dict batch) to ``dtype``, as the whole-model half modes need."""
+    """The ``inputs_to_half`` of MMEngine's large-model training guide: cast the floating inputs at these
+    positions (a tuple/list batch) or keys (a dict batch) to ``dtype``, as the whole-model half modes need."""
     if not which or dtype is None:
         return data
 

@@ -6,10 +6,10 @@ become units comes from, in order of precedence:
 
 - ``wrap_modules=['SwinTransformerBlock', 'backbone.layers.0', MyBlock]``: class names, module names
   or classes;
-- ``model_wrapper=dict(auto_wrap_policy=...)`` (the seeds' FSDP1 form): a policy callable such as
-  ``partial(size_based_auto_wrap_policy, min_num_params=1e7)`` or ``transformer_auto_wrap_policy``,
-  or a policy object such as ``ModuleWrapPolicy({Block})``, evaluated over the module tree exactly
-  as FSDP1 would, to pick the units;
+- ``model_wrapper=dict(auto_wrap_policy=...)`` (the FSDP1 form of MMEngine's large-model training
+  guide): a policy callable such as ``partial(size_based_auto_wrap_policy, min_num_params=1e7)`` or
+  ``transformer_auto_wrap_policy``, or a policy object such as ``ModuleWrapPolicy({Block})``,
+  evaluated over the module tree exactly as FSDP1 would, to pick the units;
 - nothing: the model's repeated block types (every module class that occurs at least twice and
   holds parameters in its children - leaf layers only when there is no such block; the outermost
   such modules become units).
@@ -61,7 +61,7 @@ class FSDPStrategy(Strategy):
     reduce_dtype='float32')`` computes in the parameter dtype and reduces gradients in the reduce
     dtype. ``state_dict_type='sharded'`` saves DCP directories; ``'full'`` gathers everything into
     one file on rank 0. ``activation_checkpointing`` (names/types, as ``cfg.activation_checkpointing``)
-    is applied before sharding. ``model_wrapper`` takes the seeds' FSDP1 arguments (see fsdp_compat).
+    is applied before sharding. ``model_wrapper`` takes the FSDP1 arguments of MMEngine's guides (see fsdp_compat).
     ``skip_init_weights=True``: the runner skips ``model.init_weights()`` (``init_cfg``), for weights
     that ``load_from`` brings anyway.
 
