@@ -65,7 +65,11 @@ def main() -> None:
     random.Random(0).shuffle(rows)
     if args.plans:
         named = {r.plan.name: r for r in pred.results}
-        rows = [named[n] for n in args.plans.split(",") if n in named]
+        missing = [n for n in args.plans.split(",") if n not in named]
+        if missing:
+            raise SystemExit(f"--plans: no row named {', '.join(map(repr, missing))} among the {len(named)} predicted "
+                             f"(names as `memfit plan` prints them, e.g. {next(iter(named))!r})")
+        rows = [named[n] for n in args.plans.split(",")]
     out = []
     print(f"{'plan':48s} {'allocated MiB (own)':>22s} {'err':>6s} {'reserved MiB (own)':>22s} {'err':>6s}")
     for r in rows[:args.rows]:
