@@ -17,6 +17,7 @@ median of its repeats, the device synchronized around each. FLOPs are counted wi
 - pinned host<->device copies: GB/s over the table's ``host_bw``;
 - AdamW (foreach and fused) over ViT-B's parameter tensors at two sizes: passes over the state and the
   fixed cost per operator the fake step counts;
+- AdamW's step on the host CPU (an offloaded optimizer's): GB/s of the state it touches;
 - communication needs several GPUs: not measured, the table's ``link_bw`` stays.
 
 About 40 s on an H100; ``quick`` (tests, and any CPU) uses tiny sizes and takes about a second.
@@ -35,7 +36,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.planner.cost import SELECTIVE_OP_US, ModelState, lever_factor, optimizer_pass_seconds
+from memfit.planner.cost import (
+    FSDP_TENSOR_US,
+    HOST_STEP_BYTES_PER_S,
+    SELECTIVE_OP_US,
+    ModelState,
+    lever_factor,
+    optimizer_pass_seconds,
+)
 from memfit.planner.devices import Device, current_cuda, table_entry, this_cpu
 from memfit.planner.time_profile import DEFAULT, FORMAT
 
@@ -278,6 +286,25 @@ def optimizer(b: _Bench, ref: Device) -> dict[str, float]:
     return out
 
 
+def host_step(b: _Bench) -> float:
+    """GB/s of AdamW's step on the host CPU (an offloaded optimizer's: torch's default there) over ViT-B's tensors,
+    counted as :func:`memfit.planner.cost.step_seconds` counts an offloaded step: parameters, gradients and twice
+    the state."""
+    scale = 1 / 1024 if b.quick else 1.0
+    params = [torch.randn(max(int(n * scale), 1), requires_grad=True) for n in VIT_B]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    times = []
+    for i in range(2 if b.quick else 5):
+        start = time.perf_counter()
+        opt.step()
+        if i:  # the first step creates the state
+            times.append(time.perf_counter() - start)
+    nbytes = sum(p.numel() for p in params) * 4
+    return _r((nbytes + nbytes + 2 * 2 * nbytes) / statistics.median(times) / 1e9)
+
+
 def calibrate(device: str = "cuda", quick: bool = False, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure this device and return its step-time profile as a JSON document (the format
     :func:`memfit.planner.time_profile.Profile.from_json` reads). ``device='cpu'`` (tests) is always quick."""
@@ -332,6 +359,8 @@ def calibrate(device: str = "cuda", quick: bool = False, log: Callable[[str], No
         factors[f"optimizer_{variant}_passes"] = opt[f"{variant}_passes"]
     factors["optimizer_foreach_op_us"] = opt["foreach_op_us"]  # foreach launches kernels per list and chunk
     factors["optimizer_fused_tensor_us"] = opt["fused_tensor_us"]  # fused: a few launches, host work per tensor
+    log("optimizer step on the host")
+    factors["host_step_gbps"] = measured["host_step_gbps"] = host_step(b)
     factors["link_bw"] = None  # one GPU cannot measure its interconnect: the table's link_bw applies
     return {"format": FORMAT, "name": name, "gpu": ref.name, "family": ref.family, **about,
             "torch": torch.__version__, "date": datetime.date.today().isoformat(), "quick": b.quick,
@@ -351,4 +380,5 @@ def constants(device: Device) -> dict[str, Any]:
             "conv_channels_last": {d: e / lever("channels_last") for d, e in eff.items()},
             "memory_bound": 1.0, "launch_us": device.launch_us, "host_bw": 1.0,
             "optimizer_foreach_passes": lever("optimizer_foreach_passes"), "optimizer_fused_passes": 1.0,
-            "optimizer_foreach_op_us": device.launch_us, "selective_op_us": SELECTIVE_OP_US}
+            "optimizer_foreach_op_us": device.launch_us, "selective_op_us": SELECTIVE_OP_US,
+            "host_step_gbps": HOST_STEP_BYTES_PER_S / 1e9, "fsdp_tensor_us": FSDP_TENSOR_US}

@@ -12,7 +12,9 @@ One optimizer step of a plan with k micro-steps takes
                the parameters back) + the optimizer step on the host
     optimizer = bytes the optimizer reads and writes (parameters, gradients, state) / memory bandwidth
                 (on CUDA: foreach's several passes or fused's one, and the step's operators launched)
-    step     = max(compute, comm) + offload + optimizer     (communication overlaps compute; offload waits)
+    sharding = FSDP2's host work per parameter tensor and pass (gathered twice a micro-step under FSDP, once
+               under ZeRO-2; reduced once a step) x fsdp_tensor_us, on CUDA
+    step     = max(compute + sharding, comm) + offload + optimizer  (communication overlaps; offload waits)
 
 FLOPs come from ``torch.utils.flop_counter``'s formulas over the operators the fake step dispatched,
 so activation checkpointing's recomputation is counted as it runs; operator counts carry the fixed
@@ -39,7 +41,17 @@ from memfit.planner.fake import StepMeasurement
 from memfit.planner.space import Plan
 from memfit.planner.time_profile import Profile, profile_for
 
-HOST_STEP_BYTES_PER_S = 20e9  # an optimizer step on the host CPU (either offload) touches state at ~20 GB/s
+# An optimizer step on the host CPU (either offload) touches its state at this rate where a profile has no
+# ``host_step_gbps`` (measured by ``memfit bench --calibrate``: AdamW on the host over ViT-B's tensors).
+HOST_STEP_BYTES_PER_S = 20e9
+# FSDP2's host work per parameter tensor each time it gathers a unit's parameters or reduces its gradients (its
+# per-parameter bookkeeping in Python: the unsharded views, the copies into and out of the collective's buffer,
+# the sharded gradient), where a profile has no ``fsdp_tensor_us``. Fitted to the H100's steps at one rank
+# (benchmarks/gpu_calibration_h100*.json, torch 2.11, 16-core host): Swin-L fp16 under FSDP took 66 ms over the
+# same step without it (0.147 s against 0.081), Swin-B bf16 under FSDP 0.156-0.188 s; both have 329 parameter
+# tensors, gathered twice and reduced once a step. 80 us puts their steps relative to Swin-L fp32's at +15% (Swin-L)
+# and -17% / -0.4% (Swin-B, the two runs); without it they were -35% and -56% / -47%.
+FSDP_TENSOR_US = 80.0
 # Selective checkpointing's host cost per operator its recomputation runs (its policy is a Python dispatch mode
 # over every operator of the region, in forward and again in the recomputation), where a profile has no
 # ``selective_op_us``: fitted to the H100's step times (benchmarks/gpu_calibration_h100.json, torch 2.11): ViT-L/16
@@ -108,7 +120,7 @@ def step_seconds(plan: Plan, micro: StepMeasurement, shard: StepMeasurement, sta
     micro-steps), ``state`` its per-rank model state."""
     profile = profile_for(device)[0]
     k = plan.accumulative_counts
-    compute = k * micro_step_seconds(plan, micro, device, profile)
+    compute = k * micro_step_seconds(plan, micro, device, profile) + sharding_host_seconds(plan, state, device, profile)
     ring = (world_size - 1) / world_size if world_size > 1 else 0.0
     gathers = shard.comm.get("gather", 0) / max(shard_counts, 1) * k
     traffic = ring * (gathers + shard.comm.get("reduce", 0) + shard.comm.get("broadcast", 0))
@@ -121,18 +133,30 @@ def step_seconds(plan: Plan, micro: StepMeasurement, shard: StepMeasurement, sta
     launch_us = profile.number("launch_us", device.launch_us)
     host_launches = shard.step_ops * launch_us * 1e-6 if device.cuda else 0.0
     host_bw = device.host_bw * profile.number("host_bw", 1.0)
+    host_step = profile.number("host_step_gbps", HOST_STEP_BYTES_PER_S / 1e9) * 1e9
     if plan.offload == "params":
         passes = 2 if plan.sharding == "fsdp" else 1  # re-gathered in backward unless kept (zero2)
         offload = (k * passes * state.params + state.grads) / (host_bw * 1e9)
-        optimizer = moved / HOST_STEP_BYTES_PER_S + host_launches
+        optimizer = moved / host_step + host_launches
     elif plan.offload == "optimizer":
         offload = (2 * state.params + state.grads) / (host_bw * 1e9)
-        optimizer = moved / HOST_STEP_BYTES_PER_S + host_launches
+        optimizer = moved / host_step + host_launches
     elif device.cuda:
         optimizer = optimizer_seconds(plan, state, device, shard.step_ops, profile)
     else:
         optimizer = moved / (device.mem_bw * 1e9)
     return max(compute, comm) + offload + optimizer
+
+
+def sharding_host_seconds(plan: Plan, state: ModelState, device: Device, profile: Profile | None = None) -> float:
+    """FSDP2's host seconds of one optimizer step of ``plan`` on a CUDA device: its work per parameter tensor
+    (``state.tensors``, this rank's) each time it gathers them (twice a micro-step under FSDP: forward and
+    backward; once under ZeRO-2, which keeps them until backward) or reduces their gradients (once a step)."""
+    if not device.cuda or plan.sharding not in ("fsdp", "zero2"):
+        return 0.0
+    passes = plan.accumulative_counts * (2 if plan.sharding == "fsdp" else 1) + 1
+    us = (profile or profile_for(device)[0]).number("fsdp_tensor_us", FSDP_TENSOR_US)
+    return passes * state.tensors * us * 1e-6
 
 
 def micro_step_seconds(plan: Plan, micro: StepMeasurement, device: Device, profile: Profile | None = None) -> float:

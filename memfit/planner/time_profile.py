@@ -18,6 +18,9 @@ The factors (``"factors"`` in the file; any may be left out, the constant then a
 - ``optimizer_foreach_passes``, ``optimizer_fused_passes``: an optimizer step's seconds in passes over its
   state; ``optimizer_foreach_op_us``: foreach's fixed cost per dispatched operator; ``optimizer_fused_tensor_us``:
   fused's per parameter tensor it steps (its host work; it launches a few kernels);
+- ``host_step_gbps``: an offloaded optimizer's step on the host CPU, GB/s of the state it touches;
+- ``fsdp_tensor_us``: FSDP2's host work per parameter tensor each time it gathers or reduces it (not measured by
+  the calibration: :data:`memfit.planner.cost.FSDP_TENSOR_US` unless a profile sets it);
 - ``selective_op_us``: selective checkpointing's host cost per operator its recomputation runs (its policy sees
   every operator of the region), beyond the operator's launch;
 - any key of :data:`memfit.planner.cost.LEVER_FACTORS` (a number): replaces that lever's factor.

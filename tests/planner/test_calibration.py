@@ -44,7 +44,7 @@ def test_quick_cpu_calibration_makes_a_valid_profile(cpu_profile):
     f = profile.factors
     for kind in ("matmul", "conv", "conv_channels_last"):
         assert set(f[kind]) == {"fp32", "bf16"} and all(v > 0 and math.isfinite(v) for v in f[kind].values()), kind
-    for key in ("memory_bound", "launch_us", "optimizer_foreach_passes", "optimizer_fused_passes"):
+    for key in ("memory_bound", "launch_us", "optimizer_foreach_passes", "optimizer_fused_passes", "host_step_gbps"):
         assert profile.number(key, -1.0) > 0, key
     assert f["optimizer_foreach_op_us"] >= 0 and f["link_bw"] is None
     assert "host_bw" not in f  # no host<->device copies on a CPU

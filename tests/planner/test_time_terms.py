@@ -1,16 +1,25 @@
 """The step-time model's terms added with the calibrated profiles: fused attention's FLOPs (the CPU fake step's
 flash attention, which torch's counter has no formula for), selective checkpointing's host cost per recomputed
-operator, and the margin a CUDA row must leave free to fit, by how it was predicted."""
+operator, FSDP's host work per parameter tensor, the host optimizer's rate, and the margin a CUDA row must leave
+free to fit, by how it was predicted."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from unittest.mock import patch
 
 import pytest
 import torch
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-from memfit.planner.cost import SELECTIVE_OP_US, micro_step_seconds
+from memfit.planner.cost import (
+    FSDP_TENSOR_US,
+    HOST_STEP_BYTES_PER_S,
+    SELECTIVE_OP_US,
+    ModelState,
+    micro_step_seconds,
+    step_seconds,
+)
 from memfit.planner.devices import gpu, this_cpu
 from memfit.planner.fake import Phase, StepMeasurement, fake_process_group, measure_step
 from memfit.planner.predict import _rank
@@ -73,3 +82,29 @@ def test_a_row_fits_with_the_margin_its_kind_needs():
     assert not any(r.fits for r in near)  # 91% of the budget: outside 11%
     _rank(near, budget, h100)
     assert all(r.fits for r in near)
+
+
+def test_fsdp_host_work_per_parameter_tensor_and_the_host_optimizer_rate(constants_time_model):
+    h100, cpu = gpu("H100"), this_cpu()
+    state = ModelState(params=4 * 10**8, grads=4 * 10**8, optimizer=8 * 10**8, tensors=300)
+    micro = StepMeasurement(0, {}, Phase(), Phase(), flops=10**13, ops=2000)
+    per = FSDP_TENSOR_US * 1e-6 * 300
+
+    def seconds(plan: Plan, device=h100, profile: Profile | None = None) -> float:
+        with patch("memfit.planner.cost.profile_for", lambda d: (profile or Profile("x"), False)):
+            return step_seconds(plan, micro, micro, state, device, 1, 1)
+
+    plain = seconds(Plan("bf16"))
+    # FSDP gathers every tensor in forward and again in backward, each micro-step, and reduces it once a step;
+    # ZeRO-2 keeps the gathered parameters until backward.
+    assert seconds(Plan("bf16", sharding="fsdp")) == pytest.approx(plain + 3 * per)
+    assert seconds(Plan("bf16", sharding="fsdp", accumulative_counts=2)) == pytest.approx(2 * plain + 5 * per, rel=0.02)
+    assert seconds(Plan("bf16", sharding="zero2")) == pytest.approx(plain + 2 * per)
+    assert seconds(Plan("bf16", sharding="fsdp"), profile=Profile("x", factors={"fsdp_tensor_us": 10.0})) == \
+        pytest.approx(seconds(Plan("bf16"), profile=Profile("x")) + 3 * 300 * 10e-6)
+    assert seconds(Plan("fp32", sharding="fsdp"), cpu) == seconds(Plan("fp32"), cpu)  # a CPU target: no CUDA host work
+    # An offloaded optimizer steps on the host at the profile's measured rate, else the constant's.
+    moved = state.params + state.grads + 2 * state.optimizer
+    offload = Plan("bf16", offload="optimizer")
+    assert seconds(offload) - seconds(offload, profile=Profile("x", factors={"host_step_gbps": 40.0})) == \
+        pytest.approx(moved / HOST_STEP_BYTES_PER_S - moved / 40e9)
