@@ -122,13 +122,14 @@ def measure_one(index: int) -> dict:
         cfg = _config(spec, options, _data(tmp))
         plan, facts = _plan(cfg, words, cuda=True)
         torch.cuda.empty_cache()
-        m = measure_plan(cfg, plan, facts, steps=int(os.environ.get("MEMFIT_CAL_STEPS", "5")))
+        m = measure_plan(cfg, plan, facts, steps=int(os.environ.get("MEMFIT_CAL_STEPS", "5")), profile=True)
     free, total = torch.cuda.mem_get_info()
     outside = total - free - torch.cuda.memory_reserved()
     return {"case": name, "plan": plan.name, "device_name": torch.cuda.get_device_name(), "total": total,
             "allocated": m.peak_bytes, "reserved": m.reserved, "outside_allocator": outside,
             "context_bare": bare, "cublas_workspace": workspace, "seconds": m.seconds,
-            "times": m.times, "host_times": m.host_times, "breakdown": m.breakdown, "torch": torch.__version__}
+            "times": m.times, "host_times": m.host_times, "profile": m.profile, "breakdown": m.breakdown,
+            "torch": torch.__version__}
 
 
 def trace_one(index: int, out: Path) -> dict:

@@ -9,7 +9,10 @@
 # DINO's cases need pycocotools and timm >= 1.0.31 (dynamic image sizes); where the GPU machine lacks them, put
 # their wheels in .whl/ (pip download --no-deps --only-binary=:all: -d .whl pycocotools timm==1.0.31, for the
 # machine's Python) and the script installs them first.
-# CHECKS (environment): which of "calibrate measure deform allocator" run (default: calibrate measure).
+# CHECKS (environment): which of "calibrate measure deform allocator temporaries" run (default: calibrate measure
+# temporaries). Every measured case also profiles one step (host against device: gpu_calibration.py's "profile").
+# temporaries: benchmarks/cuda_temporaries.py, the allocations of Swin-B's stage-3 block backward named by the C++
+# function that made them (what the fake step misses under FSDP: docs/planner_accuracy.md).
 # Writes DIR/gpu_slot.tgz: this GPU's step-time profile (memfit bench --calibrate), gpu_calibration.py's
 # measurements of CASES (8 timed steps each, every step's time kept) and TRACES' allocator traces, the
 # deformable-attention kernel against grid_sample (benchmarks/deform_check.py), and the installed allocator's
@@ -18,7 +21,7 @@ set -u
 OUT=${OUT:-benchmarks/results/gpu_slot}
 CASES=${1:-12,13,14,15,16,17,0,1,2,18,19,20,25}
 TRACES=${2-16,17}
-CHECKS=${CHECKS:-calibrate measure}
+CHECKS=${CHECKS:-calibrate measure temporaries}
 W=$(mktemp -d)
 mkdir -p "$OUT"
 SITE=$PWD
@@ -39,6 +42,9 @@ case $CHECKS in *measure*)
     --only "$CASES" --out "$W" 2>&1 | tee "$W/measure.txt";; esac
 case $CHECKS in *deform*)
   timeout 120 python3 benchmarks/deform_check.py > "$W/deform_check.txt" 2>&1; grep "^|" "$W/deform_check.txt";; esac
+case $CHECKS in *temporaries*)
+  timeout 60 python3 benchmarks/cuda_temporaries.py --out "$W" > "$W/cuda_temporaries.txt" 2>&1
+  head -40 "$W/cuda_temporaries.txt";; esac
 case $CHECKS in *allocator*)
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/measure/test_allocator_traces.py -k installed \
     > "$W/allocator_test.txt" 2>&1; tail -3 "$W/allocator_test.txt";; esac

@@ -15,7 +15,7 @@ import os
 import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from torch import nn
 from memfit.measure import MemoryTracker, optimizer_state_tensors
 from memfit.planner.inputs import Inputs
 from memfit.planner.space import ModelFacts, Plan, technique_cfg
+from memfit.planner.step_profile import profiled_step
 
 WARMUP_STEPS = 8  # GradScaler halves its scale at each skipped step: 2**16 -> 2**8 at most
 
@@ -38,6 +39,7 @@ class Measured:
     rel_step_time: float = 1.0
     times: tuple[float, ...] = ()  # every timed step's seconds
     host_times: tuple[float, ...] = ()  # each timed step's seconds until its Python returned, before the sync
+    profile: dict[str, Any] = field(default_factory=dict)  # one more step profiled (measure_plan's ``profile``)
 
 
 def _sync(device: torch.device) -> None:
@@ -57,12 +59,14 @@ def _process_switches() -> Iterator[None]:
         b.cudnn.benchmark, b.cuda.matmul.fp32_precision, b.cudnn.conv.fp32_precision = saved
 
 
-def measure_plan(cfg: dict, plan: Plan, facts: ModelFacts, steps: int = 3, batch: Any = None) -> Measured:
+def measure_plan(cfg: dict, plan: Plan, facts: ModelFacts, steps: int = 3, batch: Any = None,
+                 profile: bool = False) -> Measured:
     """Peak bytes (tracker) and median optimizer-step seconds of ``plan`` applied to ``cfg``, on the
     device the strategy picks (this process's GPU, else the CPU), on ``batch`` (default: the largest batch
-    the train pipeline can make, :mod:`memfit.planner.inputs`), with its speed levers on."""
+    the train pipeline can make, :mod:`memfit.planner.inputs`), with its speed levers on. ``profile``: one more
+    step under ``torch.profiler``, host against device (:func:`memfit.planner.step_profile.profiled_step`)."""
     with _process_switches():
-        return _measure_plan(cfg, plan, facts, steps, batch)
+        return _measure_plan(cfg, plan, facts, steps, batch, profile)
 
 
 def build_for_training(run_cfg: dict) -> tuple[nn.Module, Any, Any]:
@@ -91,13 +95,13 @@ def build_for_training(run_cfg: dict) -> tuple[nn.Module, Any, Any]:
     return model, wrapper, strategy
 
 
-def _measure_plan(cfg: dict, plan: Plan, facts: ModelFacts, steps: int, batch: Any) -> Measured:
+def _measure_plan(cfg: dict, plan: Plan, facts: ModelFacts, steps: int, batch: Any, profile: bool) -> Measured:
     run_cfg = plan.apply(cfg, facts)
     model, wrapper, strategy = build_for_training(run_cfg)
     batch = batch if batch is not None else Inputs(run_cfg).batch()
     k = plan.accumulative_counts
     device = strategy.device
-    wrapper.initialize_count_status(model, 0, (steps + WARMUP_STEPS + 1) * k)
+    wrapper.initialize_count_status(model, 0, (steps + WARMUP_STEPS + 1 + profile) * k)
 
     def step() -> None:
         for _ in range(k):
@@ -119,8 +123,9 @@ def _measure_plan(cfg: dict, plan: Plan, facts: ModelFacts, steps: int, batch: A
         host.append(time.perf_counter() - start)
         _sync(device)
         times.append(time.perf_counter() - start)
+    profiled = profiled_step(step, device) if profile else {}
     return Measured(plan, tracker.peak_bytes, dict(tracker.breakdown), reserved, statistics.median(times),
-                    times=tuple(times), host_times=tuple(host))
+                    times=tuple(times), host_times=tuple(host), profile=profiled)
 
 
 def bench(cfg: dict, plans: list[Plan], facts: ModelFacts, steps: int = 3, progress: bool = False,

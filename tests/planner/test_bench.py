@@ -35,3 +35,45 @@ def test_an_optimizer_offload_plan_is_measured_offloaded(tiny_config, tmp_path):
     plan = parse_plan("fp32 offload:optimizer", configured_plan(cfg, facts, cuda=False))
     _, wrapper, _ = build_for_training(plan.apply(cfg, facts))
     assert isinstance(wrapper.optimizer, OffloadedOptimizer)
+
+
+class _Event:
+    def __init__(self, name: str, start: int, duration: int, cuda: bool = False) -> None:
+        self._args = name, start, duration, cuda
+
+    def name(self) -> str:
+        return self._args[0]
+
+    def start_ns(self) -> int:
+        return self._args[1]
+
+    def duration_ns(self) -> int:
+        return self._args[2]
+
+    def device_type(self):
+        return torch.autograd.DeviceType.CUDA if self._args[3] else torch.autograd.DeviceType.CPU
+
+
+def test_a_profiled_step_tells_the_hosts_time_from_the_devices():
+    """The device's busy time is the union of its kernels' intervals (two streams overlapping count once); the
+    host's waits are its synchronisations and its launches; aten operators and kernels are counted."""
+    from memfit.planner.step_profile import summarize
+
+    events = [_Event("aten::mm", 0, 5_000), _Event("cudaLaunchKernel", 1_000, 2_000), _Event("aten::add", 6_000, 1_000),
+              _Event("cudaStreamSynchronize", 8_000, 30_000), _Event("gemm_kernel", 3_000, 20_000, cuda=True),
+              _Event("ncclKernel_AllGather", 10_000, 20_000, cuda=True),  # on another stream: overlaps the gemm
+              _Event("Memcpy HtoD (Pageable -> Device)", 40_000, 1_000, cuda=True)]
+    s = summarize(events, wall_s=50e-6)
+    assert s["device_busy_s"] == pytest.approx(28e-6)  # 3..30 us and 40..41 us
+    assert (s["kernels"], s["aten_ops"]) == (2, 2)  # the copy is device time, not a kernel
+    assert (s["sync_wait_s"], s["launch_s"]) == (pytest.approx(30e-6), pytest.approx(2e-6))
+    assert summarize([_Event("aten::mm", 0, 5)], 1.0)["device_busy_s"] is None  # a CPU step: no device
+
+
+def test_measure_plan_profiles_one_more_step_when_asked(tiny_config, tmp_path):
+    cfg = Config.fromfile(tiny_config(tmp_path)).to_dict()
+    facts = ModelFacts.of(build_meta_model(cfg["model"]))
+    plan = configured_plan(cfg, facts, cuda=False)
+    assert measure_plan(cfg, plan, facts, steps=1).profile == {}
+    p = measure_plan(cfg, plan, facts, steps=1, profile=True).profile
+    assert p["aten_ops"] > 20 and p["wall_s"] > 0 and p["device_busy_s"] is None  # forward, backward, step on a CPU
