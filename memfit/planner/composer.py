@@ -11,7 +11,7 @@ from memfit.measure import CachingAllocatorModel
 from memfit.planner.devices import Device
 from memfit.planner.fake import Phase, StepMeasurement
 from memfit.planner.recompute import CachedTensorMutated, compose
-from memfit.planner.results import PlanResult, plan_result
+from memfit.planner.results import PlanResult, allocator_rounding, plan_result
 from memfit.planner.runs import Runs, StepFailed
 from memfit.planner.space import Plan, checkpointed_modules
 from memfit.planner.timeline_scale import scaled_recording
@@ -151,9 +151,20 @@ class Composer:
             return act
         if plan.sharding in ("fsdp", "zero2"):
             ref = self._two_steps(self._ref(plan), anchor[0], epilogue, key, anchor[1])
-            extra = (shard.cuda_reserved - shard.cuda_allocated) - (ref.cuda_reserved - ref.cuda_allocated) if ref \
-                else 0
-            out = replace(out, cuda_reserved=out.cuda_reserved + max(0, extra))
+            if ref is None:
+                return out
+            extra = (shard.cuda_reserved - shard.cuda_allocated) - (ref.cuda_reserved - ref.cuda_allocated)
+            allocated = out.cuda_allocated
+            if plan.sharding == "fsdp":
+                # The blocks' rounding likewise: the sharding step's own (its gradients are shards and views into
+                # the reduce-scatter's buffer, not the single device's whole tensors, each rounded), and what the
+                # plan's activations round beyond the reference's. (ViT-B at 8 ranks, benchmarks/composed_rows.py:
+                # FSDP rows' allocated -0.1% .. +3.4% of their own fake steps, were -3.0% .. +6.5%; ZeRO-2 rows,
+                # whose gathered parameters stay through backward, came out 1-2% lower, so they keep the replay's.)
+                rounding = allocator_rounding(shard) + allocator_rounding(out) - allocator_rounding(ref)
+                allocated += max(0, rounding) - allocator_rounding(out)
+            out = replace(out, cuda_allocated=allocated,
+                          cuda_reserved=allocated + out.cuda_reserved - out.cuda_allocated + max(0, extra))
         return out
 
     def _slack_at(self, plan: Plan, shard: StepMeasurement, anchor: tuple[int, int]) -> StepMeasurement:

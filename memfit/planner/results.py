@@ -64,6 +64,13 @@ class Prediction:
         }
 
 
+def allocator_rounding(run: StepMeasurement) -> int:
+    """What ``run``'s simulated allocator held at its peak beyond the bytes requested: its blocks' rounding. A
+    composed two-step replay counts what it requested itself (the optimizer state, the workspaces); otherwise
+    the run's tracked peak and the workspaces were requested."""
+    return run.cuda_allocated - (run.cuda_requested or run.peak + devices.CUBLAS_WORKSPACE)
+
+
 def device_figures(tracked: int, breakdown: dict[str, int], device: Device, world_size: int,
                    run: StepMeasurement) -> tuple[int, dict[str, int], int, int]:
     """(peak that must fit, breakdown, allocated, reserved) on ``device`` for a tracked CPU peak. On CUDA,
@@ -73,10 +80,7 @@ def device_figures(tracked: int, breakdown: dict[str, int], device: Device, worl
     if not device.cuda:
         return tracked, out, tracked, tracked
     out["workspace"] = devices.CUBLAS_WORKSPACE
-    # What the simulation requested at its peak: a composed two-step replay counts it itself (the optimizer
-    # state, the workspaces); otherwise the run's tracked peak and the workspaces.
-    requested = run.cuda_requested or run.peak + devices.CUBLAS_WORKSPACE
-    out["allocator_rounding"] = max(0, run.cuda_allocated - requested)
+    out["allocator_rounding"] = max(0, allocator_rounding(run))
     out["allocator_slack"] = max(0, run.cuda_reserved - run.cuda_allocated)
     allocated = tracked + out["workspace"] + out["allocator_rounding"]
     reserved = allocated + out["allocator_slack"]
