@@ -50,7 +50,8 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--only", default="", help="rows whose plan name contains this")
-    parser.add_argument("--plans", default="", help="these rows (plan names, comma-separated), in this order")
+    parser.add_argument("--plans", default="", help="these rows, in this order: plan names, comma-separated, or "
+                        "@FILE, one a line (@benchmarks/composed_rows_vit_b6.txt: docs/planner_accuracy.md's 30)")
     parser.add_argument("--gpu", default="H100")
     parser.add_argument("--out", default="benchmarks/results/composed_rows.csv")
     args = parser.parse_args()
@@ -65,11 +66,13 @@ def main() -> None:
     random.Random(0).shuffle(rows)
     if args.plans:
         named = {r.plan.name: r for r in pred.results}
-        missing = [n for n in args.plans.split(",") if n not in named]
+        names = Path(args.plans[1:]).read_text().split("\n") if args.plans.startswith("@") else args.plans.split(",")
+        names = [n.strip() for n in names if n.strip()]
+        missing = [n for n in names if n not in named]
         if missing:
             raise SystemExit(f"--plans: no row named {', '.join(map(repr, missing))} among the {len(named)} predicted "
                              f"(names as `memfit plan` prints them, e.g. {next(iter(named))!r})")
-        rows = [named[n] for n in args.plans.split(",")]
+        rows = [named[n] for n in names]
     out = []
     print(f"{'plan':48s} {'allocated MiB (own)':>22s} {'err':>6s} {'reserved MiB (own)':>22s} {'err':>6s}")
     for r in rows[:args.rows]:
