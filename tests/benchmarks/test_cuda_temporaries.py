@@ -3,25 +3,13 @@ GPU; the reading is checked here on a trace shaped as torch writes it)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).parents[2] / "benchmarks" / "cuda_temporaries.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("cuda_temporaries", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def _frames(*names: str) -> list[dict]:
     return [{"name": n, "filename": "", "line": 0} for n in names]
 
 
-def test_allocations_are_named_by_the_operator_that_made_them():
-    ct = _script()
+def test_allocations_are_named_by_the_operator_that_made_them(bench_script):
+    ct = bench_script("cuda_temporaries")
     softmax = _frames("c10::cuda::CUDACachingAllocator::Native::DeviceCachingAllocator::malloc(...)",
                       "at::detail::empty_generic(...)", "at::native::softmax_backward_cuda_out(...)",
                       "at::_ops::_softmax_backward_data::call(...)",

@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parents[2] / "benchmarks" / "step_time_table.py"
 
-
-def _script():
-    spec = importlib.util.spec_from_file_location("step_time_table", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_ratios_against_each_runs_own_reference(tmp_path, capsys):
-    st = _script()
+def test_ratios_against_each_runs_own_reference(tmp_path, capsys, bench_script):
+    st = bench_script("step_time_table")
     predicted = {"swin-l fp32": 0.2, "swin-l bf16": 0.1, "swin-b bf16 fsdp (one rank)": 0.15, "vit-t fp32 (demo)": 0.01}
     fast = {"swin-l fp32": 0.2, "swin-l bf16": 0.08, "swin-b bf16 fsdp (one rank)": 0.15}
     slow_host = {"swin-l fp32": 0.2, "swin-l bf16": 0.125}  # the same GPU time, a slower host: no Swin-B
