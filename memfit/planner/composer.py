@@ -129,7 +129,8 @@ class Composer:
                                cuda_allocated=k.cuda_allocated, cuda_reserved=k.cuda_reserved, conv_flops=conv,
                                cuda_requested=k.cuda_requested, recompute_ops=k.recompute_ops, attn_flops=attn)
 
-    def _allocator_run(self, plan: Plan, mb: int, shard: StepMeasurement, anchor: tuple[int, int]) -> StepMeasurement:
+    def _allocator_run(self, plan: Plan, mb: int, shard: StepMeasurement, anchor: tuple[int, int],
+                       rounding_at: tuple[StepMeasurement, tuple[int, int]] | None = None) -> StepMeasurement:
         """Whose simulated allocator gives ``plan``'s rounding and slack at micro-batch ``mb``: its forward/backward
         (composed, or its run's own calls) twice, with its sharding's optimizer step between and after (the
         segments a second step finds; an offloaded optimizer's state and step allocate nothing on the device).
@@ -155,27 +156,32 @@ class Composer:
                 return out
             extra = (shard.cuda_reserved - shard.cuda_allocated) - (ref.cuda_reserved - ref.cuda_allocated)
             allocated = out.cuda_allocated
-            if plan.sharding == "fsdp":
+            r_shard, r_anchor = rounding_at or (shard, anchor)
+            r_ref = ref if r_anchor == anchor else self._two_steps(self._ref(plan), r_anchor[0], epilogue, key,
+                                                                   r_anchor[1])
+            if plan.sharding == "fsdp" and r_ref is not None:
                 # The blocks' rounding likewise: the sharding step's own (its gradients are shards and views into
-                # the reduce-scatter's buffer, not the single device's whole tensors, each rounded), and what the
-                # plan's activations round beyond the reference's. (ViT-B at 8 ranks, benchmarks/composed_rows.py:
-                # FSDP rows' allocated -0.1% .. +3.4% of their own fake steps, were -3.0% .. +6.5%; ZeRO-2 rows,
-                # whose gathered parameters stay through backward, came out 1-2% lower, so they keep the replay's.)
-                rounding = allocator_rounding(shard) + allocator_rounding(out) - allocator_rounding(ref)
+                # the reduce-scatter's buffer, not the single device's whole tensors, each rounded) at the anchor
+                # nearest the plan's micro-batch (activations round by their size), and what the plan's activations
+                # round beyond the reference's there. (ViT-B at 8 ranks, benchmarks/composed_rows.py: FSDP rows'
+                # allocated -0.1% .. +3.4% of their own fake steps, were -3.0% .. +6.5%; ZeRO-2 rows, whose
+                # gathered parameters stay through backward, came out 1-2% lower, so they keep the replay's.)
+                rounding = allocator_rounding(r_shard) + allocator_rounding(out) - allocator_rounding(r_ref)
                 allocated += max(0, rounding) - allocator_rounding(out)
             out = replace(out, cuda_allocated=allocated,
                           cuda_reserved=allocated + out.cuda_reserved - out.cuda_allocated + max(0, extra))
         return out
 
-    def _slack_at(self, plan: Plan, shard: StepMeasurement, anchor: tuple[int, int]) -> StepMeasurement:
+    def _slack_at(self, plan: Plan, shard: StepMeasurement, anchor: tuple[int, int],
+                  rounding_at: tuple[StepMeasurement, tuple[int, int]]) -> StepMeasurement:
         """:meth:`_allocator_run` at ``plan``'s micro-batch where its recording scales to it; else at the configured
         micro-batch or half of it, a smaller one keeping its share of their segments' free space (fragmentation
         grows with the activations: Swin-L's micro-batch 8 x 4 reserved 0.30 GiB beyond allocated on an H100,
         where the two steps at 16 leave 0.63)."""
         if self._composes(plan.activation_checkpointing):
-            return self._allocator_run(plan, plan.micro_batch, shard, anchor)
+            return self._allocator_run(plan, plan.micro_batch, shard, anchor, rounding_at)
         slack_mb = self.half if self.half and plan.micro_batch <= self.half else self.ref.micro_batch
-        run = self._allocator_run(plan, slack_mb, shard, anchor)
+        run = self._allocator_run(plan, slack_mb, shard, anchor, rounding_at)
         if plan.micro_batch >= slack_mb or not run.cuda_reserved:
             return run
         slack = (run.cuda_reserved - run.cuda_allocated) * plan.micro_batch // slack_mb
@@ -258,13 +264,16 @@ class Composer:
         peak, without_grads, flops, written, conv, attn = self._line(plan, plan.micro_batch)
         micro = replace(self._act(plan, ref.micro_batch), flops=flops, written=written, conv_flops=conv,
                         attn_flops=attn)
+        # Optimizer offload is its sharding's step with the optimizer's memory on the host (plan_result).
+        offload = "none" if plan.offload == "optimizer" else plan.offload
+        shards = {(mb, k): self.runs.run(("shard", plan.sharding, offload, plan.channels_last, plan.fused_optimizer,
+                                          mb, k), replace(ref, sharding=plan.sharding, offload=offload, micro_batch=mb,
+                                                          accumulative_counts=k), full=True, steps=1)
+                  for mb, k in anchors}
+        nearest = min(anchors, key=lambda a: abs(a[0] - plan.micro_batch))  # whose step rounds as the plan's would
         results = []
         for mb, k in anchors:
-            # Optimizer offload is its sharding's step with the optimizer's memory on the host (plan_result).
-            offload = "none" if plan.offload == "optimizer" else plan.offload
-            shard = self.runs.run(("shard", plan.sharding, offload, plan.channels_last, plan.fused_optimizer, mb, k),
-                                  replace(ref, sharding=plan.sharding, offload=offload, micro_batch=mb,
-                                          accumulative_counts=k), full=True, steps=1)
+            shard = shards[(mb, k)]
             ref_peak, ref_without_grads = self._line(ref, mb)[:2]
             fb_delta, fb_grads = peak - ref_peak, 0
             if accumulates and k == 1:
@@ -283,8 +292,9 @@ class Composer:
                 fb_delta = self._at_reduce_scatter(shard, mb, plan.micro_batch, without_grads, ref_without_grads)
             if plan.micro_batch != mb:
                 shard = _inputs_at(shard, plan.micro_batch / mb)
+            run = self._slack_at(plan, shard, (mb, k), (shards[nearest], nearest))
             results.append(plan_result(plan, shard, micro, self.device, self.world, k, fb_delta=fb_delta,
-                                       fb_grads=fb_grads, allocator_run=self._slack_at(plan, shard, (mb, k))))
+                                       fb_grads=fb_grads, allocator_run=run))
         return replace(_larger(results), seconds=results[0].seconds)
 
 
