@@ -130,14 +130,15 @@ class Composer:
                                cuda_requested=k.cuda_requested, recompute_ops=k.recompute_ops, attn_flops=attn)
 
     def _allocator_run(self, plan: Plan, mb: int, shard: StepMeasurement, anchor: tuple[int, int],
-                       rounding_at: tuple[StepMeasurement, tuple[int, int]] | None = None) -> StepMeasurement:
+                       rounding_at: tuple[StepMeasurement, tuple[int, int]]) -> StepMeasurement:
         """Whose simulated allocator gives ``plan``'s rounding and slack at micro-batch ``mb``: its forward/backward
         (composed, or its run's own calls) twice, with its sharding's optimizer step between and after (the
         segments a second step finds; an offloaded optimizer's state and step allocate nothing on the device).
         FSDP and ZeRO-2 allocate their buffers around the activations, on streams of their own, which a
         single-device forward/backward cannot show: their rows add what their sharding's step held beyond the
         same two steps of the reference activations at its ``anchor`` (micro-batch, micro-steps; measured at the
-        reference activations, as the optimizer phase is)."""
+        reference activations, as the optimizer phase is). ``rounding_at``: the sharding's step (and its anchor)
+        nearest the plan's micro-batch, whose blocks' rounding an FSDP row takes."""
         act = self._act(plan, mb)
         if shard.epilogue is None or not self.device.cuda:
             return act
@@ -156,10 +157,12 @@ class Composer:
                 return out
             extra = (shard.cuda_reserved - shard.cuda_allocated) - (ref.cuda_reserved - ref.cuda_allocated)
             allocated = out.cuda_allocated
-            r_shard, r_anchor = rounding_at or (shard, anchor)
-            r_ref = ref if r_anchor == anchor else self._two_steps(self._ref(plan), r_anchor[0], epilogue, key,
-                                                                   r_anchor[1])
-            if plan.sharding == "fsdp" and r_ref is not None:
+            r_shard, r_anchor = rounding_at
+            r_ref = None
+            if plan.sharding == "fsdp":
+                r_ref = ref if r_anchor == anchor else self._two_steps(self._ref(plan), r_anchor[0], epilogue, key,
+                                                                       r_anchor[1])
+            if r_ref is not None:
                 # The blocks' rounding likewise: the sharding step's own (its gradients are shards and views into
                 # the reduce-scatter's buffer, not the single device's whole tensors, each rounded) at the anchor
                 # nearest the plan's micro-batch (activations round by their size), and what the plan's activations
