@@ -253,6 +253,13 @@ VIT_B = ([768 * 3 * 16 * 16, 768, 768, 197 * 768]
          + [768, 768, 1000 * 768, 1000])
 
 
+def _with_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``params``, each given a random gradient of its own shape."""
+    for p in params:
+        p.grad = torch.randn_like(p)
+    return params
+
+
 def optimizer(b: _Bench, ref: Device) -> dict[str, float]:
     """AdamW's step, foreach and fused, over ViT-B's tensors at full and 1/16 size: seconds = passes x one pass
     (:func:`memfit.planner.cost.optimizer_pass_seconds`) + operators (as the fake step counts them) x op_us."""
@@ -261,16 +268,13 @@ def optimizer(b: _Bench, ref: Device) -> dict[str, float]:
     for variant in ("foreach", "fused"):
         points = []
         for scale in scales:
-            params = [b.randn(max(int(n * scale), 1), grad=True) for n in VIT_B]
-            for p in params:
-                p.grad = torch.randn_like(p)
+            params = _with_grads([b.randn(max(int(n * scale), 1), grad=True) for n in VIT_B])
             opt = torch.optim.AdamW(params, lr=1e-4, **{variant: True})
             seconds = b.seconds(opt.step)
             nbytes = sum(p.numel() for p in params) * 4
             points.append((optimizer_pass_seconds(ModelState(nbytes, nbytes, 2 * nbytes), ref), seconds))
-        cpu = [torch.randn(1, requires_grad=True) for _ in VIT_B]  # the fake step's count: CPU, foreach forced
-        for p in cpu:
-            p.grad = torch.randn_like(p)
+        # the fake step's count: CPU, foreach forced
+        cpu = _with_grads([torch.randn(1, requires_grad=True) for _ in VIT_B])
         opt = torch.optim.AdamW(cpu, lr=1e-4, **{variant: True})
         opt.step()
         with _Counter() as counter:
@@ -291,18 +295,11 @@ def host_step(b: _Bench) -> float:
     counted as :func:`memfit.planner.cost.step_seconds` counts an offloaded step: parameters, gradients and twice
     the state."""
     scale = 1 / 1024 if b.quick else 1.0
-    params = [torch.randn(max(int(n * scale), 1), requires_grad=True) for n in VIT_B]
-    for p in params:
-        p.grad = torch.randn_like(p)
+    params = _with_grads([torch.randn(max(int(n * scale), 1), requires_grad=True) for n in VIT_B])
     opt = torch.optim.AdamW(params, lr=1e-4)
-    times = []
-    for i in range(2 if b.quick else 5):
-        start = time.perf_counter()
-        opt.step()
-        if i:  # the first step creates the state
-            times.append(time.perf_counter() - start)
+    seconds = b.seconds(opt.step, repeats=1 if b.quick else 4)  # its warm-up step creates the state
     nbytes = sum(p.numel() for p in params) * 4
-    return _r((nbytes + nbytes + 2 * 2 * nbytes) / statistics.median(times) / 1e9)
+    return _r((nbytes + nbytes + 2 * 2 * nbytes) / seconds / 1e9)
 
 
 def calibrate(device: str = "cuda", quick: bool = False, log: Callable[[str], None] | None = None) -> dict[str, Any]:
