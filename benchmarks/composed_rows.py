@@ -7,6 +7,7 @@ figures side by side: allocated and reserved per rank. Writes a CSV.
 
     PYTHONPATH=. python benchmarks/composed_rows.py --model vit-b6 --world 8 --rows 30
     PYTHONPATH=. python benchmarks/composed_rows.py --model demo --world 4 --only "zero2"
+    python benchmarks/composed_rows.py --model swin-l --gpu 4090 --plans @benchmarks/composed_rows_swin_l.txt
 """
 
 from __future__ import annotations
@@ -25,15 +26,17 @@ from memfit.planner.predict import predict
 from memfit.planner.space import ModelFacts
 
 MiB = 2**20
-MODELS = {  # the demo's ViT, and ViT-B/16 at 224 px with 6 blocks (a model whose segments are not its size)
+CONFIGS = Path(__file__).parents[1] / "configs"
+MODELS = {  # the demo's ViT, ViT-B/16 at 224 px with 6 blocks (a model whose segments are not its size), Swin-L
     "demo": None,
     "vit-b6": dict(type="TimmClassifier", model_name="vit_base_patch16_224", num_classes=4, img_size=224,
                    drop_path_rate=0.0, depth=6),
+    "swin-l": None,  # configs/swin_l_shapes.py as it is: 197M parameters, batch 32, AMP, FSDP
 }
 
 
 def config(model: str) -> dict:
-    cfg = Config.fromfile(Path(__file__).parents[1] / "configs" / "vit_shapes.py").to_dict()
+    cfg = Config.fromfile(CONFIGS / ("swin_l_shapes.py" if model == "swin-l" else "vit_shapes.py")).to_dict()
     loader = cfg["train_dataloader"]
     loader.update(num_workers=0)
     loader.pop("persistent_workers", None)
