@@ -249,7 +249,7 @@ def measure(out: Path, only: list[int] | None, trace: list[int] | None = None) -
             print(f"{case[0]}: FAILED rc={proc.returncode}\n{proc.stderr[-3000:]}", flush=True)
             results.append({"case": case[0], "error": proc.stderr[-3000:]})
         else:
-            r = json.loads(line)
+            r = {**json.loads(line), "wall_s": round(time.perf_counter() - start, 1)}  # the case's process, whole
             results.append(r)
             print(f"{r['case']}: allocated {r['allocated'] / GIB:.2f} GiB, reserved {r['reserved'] / GIB:.2f} GiB, "
                   f"outside allocator {r['outside_allocator'] / MIB:.0f} MiB "
