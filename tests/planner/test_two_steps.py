@@ -51,21 +51,29 @@ ACCUMULATING = ("bf16 ac:blocks mb8x2",)  # its simulated steps do not accumulat
 SMALLER = ("bf16 mb4x4", "bf16 ac:blocks mb2x8")  # the composer records at 16 and 8
 
 
+def _config(model: dict, amp: bool = True) -> dict:
+    """A ViT classifier's config on shapes at the model's image size, batch 16, AdamW (bf16 autocast by default)."""
+    data = dict(type="ShapesDataset", image_size=model["img_size"], num_classes=4, num_samples=16)
+    optimizer = dict(type="AdamW", lr=1e-3)
+    wrapper = dict(type="AmpOptimWrapper", dtype="bfloat16", optimizer=optimizer) if amp else \
+        dict(type="OptimWrapper", optimizer=optimizer)
+    return dict(model=model, optim_wrapper=wrapper,
+                train_dataloader=dict(batch_size=16, num_workers=0, dataset=data, sampler=dict(type="DefaultSampler")))
+
+
+def _composed_and_own(cfg: dict, names: list[str], world_size: int = 1) -> dict:
+    """Each named plan's composed row (of one prediction of every plan) and its own fake step (``--as-is``)."""
+    facts = ModelFacts.of(build_meta_model(cfg["model"]))
+    plans = [parse_plan(words, configured_plan(cfg, facts, cuda=True)) for words in names]
+    composed = predict(cfg, device=gpu("H100"), world_size=world_size, verify=False, also=plans).results
+    return {words: (next(r for r in composed if replace(r.plan, configured=False) == plan),
+                    predict(plan.apply(cfg, facts), device=gpu("H100"), world_size=world_size, as_is=True).results[0])
+            for words, plan in zip(names, plans)}
+
+
 @pytest.fixture(scope="module")
 def rows():
-    data = dict(type="ShapesDataset", image_size=224, num_classes=4, num_samples=16)
-    cfg = dict(model=VIT, optim_wrapper=dict(type="AmpOptimWrapper", dtype="bfloat16",
-                                             optimizer=dict(type="AdamW", lr=1e-3)),
-               train_dataloader=dict(batch_size=16, num_workers=0, dataset=data, sampler=dict(type="DefaultSampler")))
-    facts = ModelFacts.of(build_meta_model(VIT))
-    plans = [parse_plan(w, configured_plan(cfg, facts, cuda=True)) for w in (*ROWS, *SMALLER)]
-    composed = predict(cfg, device=gpu("H100"), verify=False, also=plans).results
-    out = {}
-    for words, plan in zip((*ROWS, *SMALLER), plans):
-        row = next(r for r in composed if replace(r.plan, configured=False) == plan)
-        own = predict(plan.apply(cfg, facts), device=gpu("H100"), as_is=True).results[0]
-        out[words] = (row, own)
-    return out
+    return _composed_and_own(_config(VIT), [*ROWS, *SMALLER])
 
 
 @pytest.mark.parametrize("words", ROWS)
@@ -122,14 +130,7 @@ def test_an_fsdp_rows_rounding_is_its_sharding_steps():
     reduce-scatter's buffer), not as the single-device forward/backward it is composed from (whole gradients, each
     rounded): at micro-batch 1 x 16 the composed row equals its own fake step (the replay's rounding was -0.8%)."""
     wide = {**VIT, "embed_dim": 768, "num_heads": 12, "img_size": 64}
-    data = dict(type="ShapesDataset", image_size=64, num_classes=4, num_samples=16)
-    cfg = dict(model=wide, optim_wrapper=dict(type="OptimWrapper", optimizer=dict(type="AdamW", lr=1e-3)),
-               train_dataloader=dict(batch_size=16, num_workers=0, dataset=data, sampler=dict(type="DefaultSampler")))
-    facts = ModelFacts.of(build_meta_model(wide))
-    plan = parse_plan("fp32 fsdp mb1x16", configured_plan(cfg, facts, cuda=True))
-    composed = predict(cfg, device=gpu("H100"), verify=False, also=[plan]).results
-    row = next(r for r in composed if replace(r.plan, configured=False) == plan)
-    own = predict(plan.apply(cfg, facts), device=gpu("H100"), as_is=True).results[0]
+    row, own = _composed_and_own(_config(wide, amp=False), ["fp32 fsdp mb1x16"])["fp32 fsdp mb1x16"]
     assert row.source == "composed"
     assert row.breakdown["allocator_rounding"] == own.breakdown["allocator_rounding"] > 2**20
     assert abs(row.allocated - own.allocated) <= 1024
@@ -144,16 +145,7 @@ SHARDED = [("bf16 ac:blocks fsdp mb16x1", 0.05), ("bf16 ac:blocks zero2 mb16x1",
 @pytest.fixture(scope="module")
 def sharded_rows():
     vit = {**VIT, "embed_dim": 512, "num_heads": 8, "depth": 4, "img_size": 64}
-    data = dict(type="ShapesDataset", image_size=64, num_classes=4, num_samples=16)
-    cfg = dict(model=vit, optim_wrapper=dict(type="AmpOptimWrapper", dtype="bfloat16",
-                                             optimizer=dict(type="AdamW", lr=1e-3)),
-               train_dataloader=dict(batch_size=16, num_workers=0, dataset=data, sampler=dict(type="DefaultSampler")))
-    facts = ModelFacts.of(build_meta_model(vit))
-    plans = [parse_plan(words, configured_plan(cfg, facts, cuda=True)) for words, _ in SHARDED]
-    composed = predict(cfg, device=gpu("H100"), world_size=4, verify=False, also=plans).results
-    return {words: (next(r for r in composed if replace(r.plan, configured=False) == plan),
-                    predict(plan.apply(cfg, facts), device=gpu("H100"), world_size=4, as_is=True).results[0])
-            for (words, _), plan in zip(SHARDED, plans)}
+    return _composed_and_own(_config(vit), [words for words, _ in SHARDED], world_size=4)
 
 
 @pytest.mark.parametrize("words,reserved", SHARDED)
