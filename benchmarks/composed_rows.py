@@ -27,21 +27,24 @@ from memfit.planner.space import ModelFacts
 
 MiB = 2**20
 CONFIGS = Path(__file__).parents[1] / "configs"
-MODELS = {  # the demo's ViT, ViT-B/16 at 224 px with 6 blocks (a model whose segments are not its size), Swin-L
-    "demo": None,
-    "vit-b6": dict(type="TimmClassifier", model_name="vit_base_patch16_224", num_classes=4, img_size=224,
-                   drop_path_rate=0.0, depth=6),
-    "swin-l": None,  # configs/swin_l_shapes.py as it is: 197M parameters, batch 32, AMP, FSDP
+# name -> (config, model in its place): the demo's ViT, ViT-B/16 at 224 px with 6 blocks (a model whose segments
+# are not its size), and configs/swin_l_shapes.py as it is (197M parameters, batch 32, AMP, FSDP)
+MODELS = {
+    "demo": ("vit_shapes.py", None),
+    "vit-b6": ("vit_shapes.py", dict(type="TimmClassifier", model_name="vit_base_patch16_224", num_classes=4,
+                                     img_size=224, drop_path_rate=0.0, depth=6)),
+    "swin-l": ("swin_l_shapes.py", None),
 }
 
 
 def config(model: str) -> dict:
-    cfg = Config.fromfile(CONFIGS / ("swin_l_shapes.py" if model == "swin-l" else "vit_shapes.py")).to_dict()
+    path, model_cfg = MODELS[model]
+    cfg = Config.fromfile(CONFIGS / path).to_dict()
     loader = cfg["train_dataloader"]
     loader.update(num_workers=0)
     loader.pop("persistent_workers", None)
-    if MODELS[model] is not None:
-        cfg["model"] = MODELS[model]
+    if model_cfg is not None:
+        cfg["model"] = model_cfg
         loader.update(batch_size=64)
         loader["dataset"]["image_size"] = 224
     return cfg
