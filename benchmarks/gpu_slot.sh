@@ -1,27 +1,29 @@
 #!/usr/bin/env bash
-# The planner's GPU checks in one call (about 8 min on an H100 with the defaults), run from the repository root on
-# a machine whose python3 has torch, timm and scipy (memfit itself from this checkout, on PYTHONPATH):
-#   OUT=DIR bash benchmarks/gpu_slot.sh [CASES [TRACES]]
-# CASES: gpu_calibration.py case indices, measured in that order (default: DINO's rows 1-6 with the Triton kernel,
-# then step-time cases: Swin-L fp32/fp16/bf16, ViT-L fp32/bf16, blocks, blocks at micro-batch 32 x 2);
-# TRACES: the cases whose allocator traces are recorded first (default: DINO's rows 5 and 6, whose reserved memory
-# the planner misses by -9.7% and +7.7%; '' for none).
+# The planner's GPU checks in one call, within SLOT_S seconds (default 480), run from the repository root on a
+# machine whose python3 has torch, timm and scipy (memfit itself from this checkout, on PYTHONPATH):
+#   OUT=DIR bash benchmarks/gpu_slot.sh [CASES [TRACES [LATER]]]
+# Stages, in this order, each given what is left of SLOT_S (a stage that would get under 20 s is skipped):
+#   calibrate: this GPU's step-time profile (memfit bench --calibrate);
+#   measure:   gpu_calibration.py's cases CASES (default: ViT-L's eight rows, Swin-L's eight, Swin-B under FSDP,
+#              DeiT-B with its optimizer offloaded, then DINO's rows 1 and 3), 8 timed steps each, every step's
+#              time kept, one more step profiled (host against device);
+#   trace:     the allocator traces of TRACES (default: DINO's rows 5 and 6, whose reserved memory the planner
+#              misses by -9.7% and +7.7%; '' for none);
+#   later:     the cases LATER (default: DINO's rows 2, 4, 5, 6: step times beside row 1's of the same machine);
+#   then whatever CHECKS adds: "deform" (benchmarks/deform_check.py), "temporaries" (benchmarks/cuda_temporaries.py),
+#   "allocator" (the installed allocator's replay test).
 # DINO's cases need pycocotools and timm >= 1.0.31 (dynamic image sizes); where the GPU machine lacks them, put
 # their wheels in .whl/ (pip download --no-deps --only-binary=:all: -d .whl pycocotools timm==1.0.31, for the
 # machine's Python) and the script installs them first.
-# CHECKS (environment): which of "calibrate measure deform allocator temporaries" run (default: calibrate measure
-# temporaries). Every measured case also profiles one step (host against device: gpu_calibration.py's "profile").
-# temporaries: benchmarks/cuda_temporaries.py, the allocations of Swin-B's stage-3 block backward named by the C++
-# function that made them (what the fake step misses under FSDP: docs/planner_accuracy.md).
-# Writes DIR/gpu_slot.tgz: this GPU's step-time profile (memfit bench --calibrate), gpu_calibration.py's
-# measurements of CASES (8 timed steps each, every step's time kept) and TRACES' allocator traces, the
-# deformable-attention kernel against grid_sample (benchmarks/deform_check.py), and the installed allocator's
-# replay test.
+# Writes DIR/gpu_slot.tgz after every stage (a run cut short keeps what its finished stages wrote): env.txt,
+# stages.txt (each stage's seconds), profile.json, measured.json, trace_<i>.json.gz, later/measured.json, logs.
 set -u
 OUT=${OUT:-benchmarks/results/gpu_slot}
-CASES=${1:-12,13,14,15,16,17,0,1,2,18,19,20,25}
+CASES=${1:-18,19,20,21,22,23,24,25,0,1,2,3,4,5,6,7,26,27,12,14}
 TRACES=${2-16,17}
-CHECKS=${CHECKS:-calibrate measure temporaries}
+LATER=${3-13,15,16,17}
+CHECKS=${CHECKS:-}
+SLOT_S=${SLOT_S:-480}
 W=$(mktemp -d)
 mkdir -p "$OUT"
 SITE=$PWD
@@ -29,22 +31,30 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$W/site" .whl/*.whl \
     && SITE=$PWD:$W/site
 fi
-export PYTHONPATH=$SITE PYTHONUNBUFFERED=1 MEMFIT_CAL_STEPS=${MEMFIT_CAL_STEPS:-8}
-trap 'tar czf "$OUT/gpu_slot.tgz" -C "$W" --exclude=./site .' EXIT
+export PYTHONPATH=$SITE PYTHONUNBUFFERED=1 MEMFIT_CAL_STEPS=${MEMFIT_CAL_STEPS:-8} \
+  MEMFIT_CAL_CASE_S=${MEMFIT_CAL_CASE_S:-90}
+pack() { tar czf "$OUT/gpu_slot.tgz" -C "$W" --exclude=./site .; }
+# stage NAME CAP COMMAND...: COMMAND within min(CAP, what is left of SLOT_S less 10 s), its seconds in stages.txt
+stage() {
+  local name=$1 cap=$2 left=$((SLOT_S - SECONDS - 10)) start=$SECONDS
+  shift 2
+  if [ "$left" -lt 20 ]; then echo "$name: skipped, ${left}s left" | tee -a "$W/stages.txt"; return; fi
+  timeout "$((cap < left ? cap : left))" "$@" 2>&1 | tee "$W/$name.txt"
+  echo "$name: rc=${PIPESTATUS[0]} $((SECONDS - start))s" | tee -a "$W/stages.txt"
+  pkill -f benchmarks/gpu_calibration.py  # a case's process outlives a measure stopped at its limit
+  pack
+}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, timm; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'timm', timm.__version__)"
-  date -u; } > "$W/env.txt" 2>&1
+  grep -m1 "model name" /proc/cpuinfo; nproc; date -u; } > "$W/env.txt" 2>&1
 cat "$W/env.txt"
-case $CHECKS in *calibrate*)
-  timeout 60 python3 -m memfit bench --calibrate --out "$W/profile.json" 2>&1 | tee "$W/calibrate.txt";; esac
-case $CHECKS in *measure*)
-  timeout "${MEASURE_S:-420}" python3 benchmarks/gpu_calibration.py measure ${TRACES:+--trace "$TRACES"} \
-    --only "$CASES" --out "$W" 2>&1 | tee "$W/measure.txt";; esac
-case $CHECKS in *deform*)
-  timeout 120 python3 benchmarks/deform_check.py > "$W/deform_check.txt" 2>&1; grep "^|" "$W/deform_check.txt";; esac
-case $CHECKS in *temporaries*)
-  timeout 60 python3 benchmarks/cuda_temporaries.py --out "$W" > "$W/cuda_temporaries.txt" 2>&1
-  head -40 "$W/cuda_temporaries.txt";; esac
+stage calibrate 60 python3 -m memfit bench --calibrate --out "$W/profile.json"
+stage measure 400 python3 benchmarks/gpu_calibration.py measure --only "$CASES" --out "$W"
+for i in ${TRACES//,/ }; do stage "trace_$i" 60 python3 benchmarks/gpu_calibration.py trace "$i" --out "$W"; done
+[ -n "$LATER" ] && stage later 300 python3 benchmarks/gpu_calibration.py measure --only "$LATER" --out "$W/later"
+case $CHECKS in *deform*) stage deform 120 python3 benchmarks/deform_check.py;; esac
+case $CHECKS in *temporaries*) stage temporaries 60 python3 benchmarks/cuda_temporaries.py --out "$W";; esac
 case $CHECKS in *allocator*)
-  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/measure/test_allocator_traces.py -k installed \
-    > "$W/allocator_test.txt" 2>&1; tail -3 "$W/allocator_test.txt";; esac
+  stage allocator 60 python3 -m pytest -q -p no:cacheprovider tests/measure/test_allocator_traces.py -k installed;;
+esac
+pack

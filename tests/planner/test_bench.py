@@ -67,7 +67,20 @@ def test_a_profiled_step_tells_the_hosts_time_from_the_devices():
     assert s["device_busy_s"] == pytest.approx(28e-6)  # 3..30 us and 40..41 us
     assert (s["kernels"], s["aten_ops"]) == (2, 2)  # the copy is device time, not a kernel
     assert (s["sync_wait_s"], s["launch_s"]) == (pytest.approx(30e-6), pytest.approx(2e-6))
+    assert s["device_s_by_family"] == pytest.approx({"matmul": 20e-6, "communication": 20e-6, "copy": 1e-6})
     assert summarize([_Event("aten::mm", 0, 5)], 1.0)["device_busy_s"] is None  # a CPU step: no device
+
+
+@pytest.mark.parametrize("kernel, family", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"), ("nvjet_hsh_256x128_64x4", "matmul"),
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>", "attention"),
+    ("sm80_xmma_fprop_implicit_gemm_indexed_tf32f32", "convolution"), ("cudnn::bn_fw_tr_1C11_kernel_NCHW", "other"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>", "other"),
+    ("Memset (Device)", "copy"), ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "communication")])
+def test_kernels_are_told_apart_by_family(kernel, family):
+    from memfit.planner.step_profile import family as family_of
+
+    assert family_of(kernel) == family
 
 
 def test_measure_plan_profiles_one_more_step_when_asked(tiny_config, tmp_path):
