@@ -2,23 +2,28 @@
 
 One optimizer step of a plan with k micro-steps takes
 
-    compute  = k * (FLOPs per micro-step / (peak TFLOPs of its precision * efficiency)
-                    + 2 * bytes written by FLOP-less operators / memory bandwidth + ops * launch cost)
+    kernels  = k * (FLOPs per micro-step / (peak TFLOPs of its precision * efficiency)
+                    + 2 * bytes written by FLOP-less operators / (memory bandwidth * model_memory_bound))
+               + optimizer (on CUDA): bytes it reads and writes (parameters, gradients, state) / memory bandwidth
+                 x foreach's several passes or fused's one
+    host     = on CUDA: per operator launch_us x host_op_factor (k micro-steps' operators, recomputed operators
+               recompute_op_factor more, and one per parameter tensor for each micro-step after the first, which
+               adds to the gradients) + selective checkpointing's policy per recomputed operator + FSDP2's work per
+               parameter tensor and pass (gathered twice a micro-step under FSDP, once under ZeRO-2; reduced once a
+               step) x fsdp_tensor_us + the optimizer step's operators (foreach) or parameter tensors (fused)
     comm     = bytes each rank sends and receives / interconnect bandwidth  (FSDP: parameters gathered
                every micro-step, gradients reduce-scattered once; DDP: one all-reduce; ZeRO-1: an all-reduce
                and the parameters' broadcast)
     offload  = host<->device bytes / host bandwidth  (FSDP CPU offload: the parameter shard in every
                all-gather, the gradient shard out; optimizer offload: the parameters and gradients out,
                the parameters back) + the optimizer step on the host
-    optimizer = bytes the optimizer reads and writes (parameters, gradients, state) / memory bandwidth
-                (on CUDA: foreach's several passes or fused's one, and the step's operators launched)
-    sharding = FSDP2's host work per parameter tensor and pass (gathered twice a micro-step under FSDP, once
-               under ZeRO-2; reduced once a step) x fsdp_tensor_us, on CUDA
-    step     = max(compute + sharding, comm) + offload + optimizer  (communication overlaps; offload waits)
+    step     = max(max(kernels, host), comm) + offload on CUDA (the host queues kernels ahead of the device, and
+               the slower of the two sets the pace; communication overlaps; offload waits);
+               max(kernels + host, comm) + offload on a CPU, where operators run as they are dispatched
 
 FLOPs come from ``torch.utils.flop_counter``'s formulas over the operators the fake step dispatched,
-so activation checkpointing's recomputation is counted as it runs; operator counts carry the fixed
-per-kernel cost that makes small micro-batches slower. Only ratios are reported.
+so activation checkpointing's recomputation is counted as it runs; operator counts carry the host's cost per
+operator that paces a step of small kernels. Only ratios are reported.
 
 The speed levers (:mod:`memfit.planner.levers`) on CUDA: an fp32 plan's convolutions run at the TF32 rate
 (cuDNN allows TF32 by default) and, with ``tf32``, its matmuls too; ``channels_last`` and
@@ -29,7 +34,7 @@ are :data:`LEVER_FACTORS`, one table.
 A target's step-time profile (:mod:`memfit.planner.time_profile`, measured by ``memfit bench --calibrate``)
 replaces the constants where it has a factor: the efficiency by precision for matmul-like and for convolution
 FLOPs (channels_last's measured in place of its lever), the memory-bound bandwidth, the cost per operator, the
-host bandwidth and the optimizer's passes and per-operator cost. Without one the constants above apply.
+host bandwidth and the optimizer's passes and per-operator cost. Without one the constants below apply.
 """
 
 from __future__ import annotations
@@ -49,15 +54,35 @@ HOST_STEP_BYTES_PER_S = 20e9
 # the sharded gradient), where a profile has no ``fsdp_tensor_us``. Fitted to the H100's steps at one rank
 # (benchmarks/gpu_calibration_h100*.json, torch 2.11, 16-core host): Swin-L fp16 under FSDP took 66 ms over the
 # same step without it (0.147 s against 0.081), Swin-B bf16 under FSDP 0.156-0.188 s; both have 329 parameter
-# tensors, gathered twice and reduced once a step. 80 us puts their steps relative to Swin-L fp32's at +15% (Swin-L)
-# and -17% / -0.4% (Swin-B, the two runs); without it they were -35% and -56% / -47%.
+# tensors, gathered twice and reduced once a step. 80 us put their steps relative to Swin-L fp32's at +15% (Swin-L)
+# and -17% / -0.4% (Swin-B, the two runs); without it they were -35% and -56% / -47%. On a third machine, with the
+# host paced apart from the kernels (step = the slower): -4.6% and +6.4%.
 FSDP_TENSOR_US = 80.0
 # Selective checkpointing's host cost per operator its recomputation runs (its policy is a Python dispatch mode
 # over every operator of the region, in forward and again in the recomputation), where a profile has no
 # ``selective_op_us``: fitted to the H100's step times (benchmarks/gpu_calibration_h100.json, torch 2.11): ViT-L/16
 # b64 bf16 ac:selective 171 ms (49 ms over the model without it, 1776 operators recomputed), Swin-L b32 bf16
-# 182 ms (39 ms over, 3013 operators); 18 us puts both within 8% (relative to fp32, within 7%).
+# 182 ms (39 ms over, 3013 operators); 18 us put both within 8% (relative to fp32, within 7%) when the host's and
+# the kernels' times were summed. The installed H100 profile measures its own (69.65 us on its machine, where
+# ViT-L/16's selective step paid 46 us per recomputed operator and Swin-L's 98 us).
 SELECTIVE_OP_US = 18.0
+# The three below are fitted to one H100 machine's steps (benchmarks/gpu_calibration_h100_run3.json, torch 2.11, a
+# 16-core host; its profile is memfit/planner/profiles/h100.json): each case's profiled step says how long its
+# kernels ran by family and when its Python returned (docs/planner.md, "Step-time model").
+# A step's host seconds per operator the fake step counts, over the profile's ``launch_us`` (a loop of tiny
+# operators), where a profile has no ``host_op_factor``: a model's operators cost more (module code, hooks,
+# autocast's casts, the optimizer wrapper). ViT-L/16 and Swin-L in half precision: 15 us (launch_us 8.4 us).
+HOST_OP_FACTOR = 1.81
+# The share of the calibration's memory-bound rate (large elementwise operators) that a model's FLOP-less kernels
+# reach, counted as the fake step counts them (2 x bytes written), where a profile has no ``model_memory_bound``:
+# smaller tensors, reductions, strided copies, more bytes read than written. The kernels outside matmuls and
+# attention ran at 0.22-0.31 of the table's bandwidth for ViT-L/16 and Swin-L (the calibration's: 0.70), 0.19-0.21
+# for DINO.
+MODEL_MEMORY_BOUND = 0.34
+# A recomputed operator's host cost beyond an ordinary operator's, in operators, where a profile has no
+# ``recompute_op_factor``: checkpointing runs its recomputation from autograd's hooks. 0.7-1.2 for ViT-L/16's
+# checkpointed steps, 0.5-0.7 for Swin-L's.
+RECOMPUTE_OP_FACTOR = 0.8
 
 # The speed levers' factors by device family (Device.family); a family without a row takes "default"'s.
 # Checked against benchmarks/gpu_throughput.py on one H100 (torch 2.11, 2026-11-26; raw numbers in
@@ -120,7 +145,10 @@ def step_seconds(plan: Plan, micro: StepMeasurement, shard: StepMeasurement, sta
     micro-steps), ``state`` its per-rank model state."""
     profile = profile_for(device)[0]
     k = plan.accumulative_counts
-    compute = k * micro_step_seconds(plan, micro, device, profile) + sharding_host_seconds(plan, state, device, profile)
+    kernels, host = micro_step_parts(plan, micro, device, profile)
+    kernels, host = k * kernels, k * host + sharding_host_seconds(plan, state, device, profile)
+    if device.cuda:  # each micro-step after the first adds its gradients to the ones held: one operator a tensor
+        host += (k - 1) * state.tensors * host_op_seconds(device, profile)
     ring = (world_size - 1) / world_size if world_size > 1 else 0.0
     gathers = shard.comm.get("gather", 0) / max(shard_counts, 1) * k
     traffic = ring * (gathers + shard.comm.get("reduce", 0) + shard.comm.get("broadcast", 0))
@@ -129,23 +157,25 @@ def step_seconds(plan: Plan, micro: StepMeasurement, shard: StepMeasurement, sta
     comm = traffic / (device.link_bw * 1e9)
     offload = 0.0
     moved = state.params + state.grads + 2 * state.optimizer
-    # A host step runs at least the operators the device's step ran (torch's CPU default is a loop per tensor).
+    # A host step runs at least the operators the device's step ran (torch's CPU default is a loop per tensor), each
+    # at least what the device's foreach step pays per operator.
     launch_us = profile.number("launch_us", device.launch_us)
-    host_launches = shard.step_ops * launch_us * 1e-6 if device.cuda else 0.0
+    host_launches = shard.step_ops * profile.number("optimizer_foreach_op_us", launch_us) * 1e-6 if device.cuda else 0.0
     host_bw = device.host_bw * profile.number("host_bw", 1.0)
     host_step = profile.number("host_step_gbps", HOST_STEP_BYTES_PER_S / 1e9) * 1e9
     if plan.offload == "params":
         passes = 2 if plan.sharding == "fsdp" else 1  # re-gathered in backward unless kept (zero2)
-        offload = (k * passes * state.params + state.grads) / (host_bw * 1e9)
-        optimizer = moved / host_step + host_launches
+        offload = (k * passes * state.params + state.grads) / (host_bw * 1e9) + moved / host_step + host_launches
     elif plan.offload == "optimizer":
-        offload = (2 * state.params + state.grads) / (host_bw * 1e9)
-        optimizer = moved / host_step + host_launches
+        offload = (2 * state.params + state.grads) / (host_bw * 1e9) + moved / host_step + host_launches
     elif device.cuda:
-        optimizer = optimizer_seconds(plan, state, device, shard.step_ops, profile)
+        step_kernels, step_host = optimizer_parts(plan, state, device, shard.step_ops, profile)
+        kernels, host = kernels + step_kernels, host + step_host
     else:
-        optimizer = moved / (device.mem_bw * 1e9)
-    return max(compute, comm) + offload + optimizer
+        kernels += moved / (device.mem_bw * 1e9)
+    # On a GPU the host runs ahead of the kernels it launches: the slower of the two sets the pace.
+    compute = max(kernels, host) if device.cuda else kernels + host
+    return max(compute, comm) + offload
 
 
 def sharding_host_seconds(plan: Plan, state: ModelState, device: Device, profile: Profile | None = None) -> float:
@@ -159,9 +189,18 @@ def sharding_host_seconds(plan: Plan, state: ModelState, device: Device, profile
     return passes * state.tensors * us * 1e-6
 
 
-def micro_step_seconds(plan: Plan, micro: StepMeasurement, device: Device, profile: Profile | None = None) -> float:
+def host_op_seconds(device: Device, profile: Profile) -> float:
+    """The host's seconds per operator of a training step: on a GPU, the profile's ``launch_us`` (a loop of tiny
+    operators) x ``host_op_factor``; on a CPU, its measured cost per operator."""
+    launch = profile.number("launch_us", device.launch_us) * 1e-6
+    return launch * profile.number("host_op_factor", HOST_OP_FACTOR) if device.cuda else launch
+
+
+def micro_step_parts(plan: Plan, micro: StepMeasurement, device: Device,
+                     profile: Profile | None = None) -> tuple[float, float]:
     """Modelled seconds of one forward/backward of ``plan`` (``micro``'s FLOPs, bytes written and operators)
-    with its speed levers (the module docstring), timed by ``profile`` (default: the device's)."""
+    with its speed levers (the module docstring), timed by ``profile`` (default: the device's): the kernels'
+    (FLOPs and bytes) and the host's (its operators)."""
     profile = profile or profile_for(device)[0]
     fp32 = device.dtype_tflops("fp32")
     if plan.precision == "fp32":
@@ -182,10 +221,17 @@ def micro_step_seconds(plan: Plan, micro: StepMeasurement, device: Device, profi
     # Fused attention at its own measured rate where the profile has one (else a matmul's).
     kind = "attention" if profile.has("attention", dtype) else "matmul"
     other += micro.attn_flops / (rate * 1e12 * profile.efficiency(kind, dtype, device.efficiency))
-    written = 2 * micro.written / (device.mem_bw * 1e9 * profile.number("memory_bound", 1.0))
-    launches = micro.ops * profile.number("launch_us", device.launch_us) * 1e-6
-    if device.cuda and plan.activation_checkpointing == "selective":
-        launches += micro.recompute_ops * profile.number("selective_op_us", SELECTIVE_OP_US) * 1e-6
+    bandwidth = device.mem_bw * 1e9 * profile.number("memory_bound", 1.0)
+    if device.cuda:  # a model's FLOP-less kernels run slower than the calibration's large elementwise ones
+        bandwidth *= profile.number("model_memory_bound", MODEL_MEMORY_BOUND)
+    written = 2 * micro.written / bandwidth
+    host = micro.ops * host_op_seconds(device, profile)
+    if device.cuda and plan.activation_checkpointing != "none":
+        # checkpointing's recomputation runs from Python in backward: a recomputed operator costs the host more
+        host += micro.recompute_ops * host_op_seconds(device, profile) * profile.number(
+            "recompute_op_factor", RECOMPUTE_OP_FACTOR)
+        if plan.activation_checkpointing == "selective":
+            host += micro.recompute_ops * profile.number("selective_op_us", SELECTIVE_OP_US) * 1e-6
     if device.cuda:
         if plan.channels_last and layout == "conv":
             conv *= lever_factor(device, "channels_last", profile)
@@ -195,8 +241,15 @@ def micro_step_seconds(plan: Plan, micro: StepMeasurement, device: Device, profi
             flops = lever_factor(device, "compile_flops", profile)
             conv, other = conv * flops, other * flops
             written *= lever_factor(device, "compile_written", profile)
-            launches *= lever_factor(device, "compile_ops", profile)
-    return conv + other + written + launches
+            host *= lever_factor(device, "compile_ops", profile)
+    return conv + other + written, host
+
+
+def micro_step_seconds(plan: Plan, micro: StepMeasurement, device: Device, profile: Profile | None = None) -> float:
+    """Modelled seconds of one forward/backward of ``plan`` (:func:`micro_step_parts`): on a GPU the slower of
+    its kernels and its host, on a CPU their sum."""
+    kernels, host = micro_step_parts(plan, micro, device, profile)
+    return max(kernels, host) if device.cuda else kernels + host
 
 
 def optimizer_pass_seconds(state: ModelState, device: Device) -> float:
@@ -205,10 +258,11 @@ def optimizer_pass_seconds(state: ModelState, device: Device) -> float:
     return (2 * state.params + state.grads + 2 * state.optimizer) / (device.mem_bw * 1e9)
 
 
-def optimizer_seconds(plan: Plan, state: ModelState, device: Device, ops: int = 0,
-                      profile: Profile | None = None) -> float:
-    """Modelled seconds of an optimizer step of ``ops`` operators (as the fake step ran it) on a CUDA device: a
-    fused step is one pass (:func:`optimizer_pass_seconds`), foreach several; each operator launches."""
+def optimizer_parts(plan: Plan, state: ModelState, device: Device, ops: int = 0,
+                    profile: Profile | None = None) -> tuple[float, float]:
+    """Modelled seconds of an optimizer step of ``ops`` operators (as the fake step ran it) on a CUDA device, the
+    kernels' and the host's: a fused step is one pass (:func:`optimizer_pass_seconds`), foreach several; the host
+    pays per operator (foreach) or per parameter tensor (fused)."""
     profile = profile or profile_for(device)[0]
     launch_us = profile.number("launch_us", device.launch_us)
     if plan.fused_optimizer:
@@ -216,9 +270,15 @@ def optimizer_seconds(plan: Plan, state: ModelState, device: Device, ops: int = 
         if profile.number("optimizer_fused_tensor_us", -1.0) >= 0:
             # The fused kernel's host cost grows with the tensors it is given, not with its few launches.
             per_tensor = profile.number("optimizer_fused_tensor_us", 0.0)
-            return optimizer_pass_seconds(state, device) * passes + state.tensors * per_tensor * 1e-6
+            return optimizer_pass_seconds(state, device) * passes, state.tensors * per_tensor * 1e-6
         op_us = launch_us
     else:
         passes = lever_factor(device, "optimizer_foreach_passes", profile)
         op_us = profile.number("optimizer_foreach_op_us", launch_us)
-    return optimizer_pass_seconds(state, device) * passes + ops * op_us * 1e-6
+    return optimizer_pass_seconds(state, device) * passes, ops * op_us * 1e-6
+
+
+def optimizer_seconds(plan: Plan, state: ModelState, device: Device, ops: int = 0,
+                      profile: Profile | None = None) -> float:
+    """:func:`optimizer_parts`' kernels and host, one after the other."""
+    return sum(optimizer_parts(plan, state, device, ops, profile))

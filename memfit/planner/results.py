@@ -98,9 +98,11 @@ def model_state(m: StepMeasurement) -> ModelState:
     """The parameters, gradients and optimizer state a step measured (the optimizer phase's breakdown)."""
     b = m.optimizer.breakdown or m.breakdown
     params = b.get("parameters", 0)
-    # An offloaded optimizer's state is on the host: its peak there less the parameters' host copy.
-    return ModelState(params, b.get("gradients", 0), b.get("optimizer_state", 0) or max(0, m.host_peak - params),
-                      m.step_tensors)
+    # The state a step keeps (held through the next forward/backward; the optimizer phase's peak adds foreach's
+    # temporaries, a third more for AdamW). An offloaded optimizer's is on the host: its peak there less the
+    # parameters' host copy.
+    state = m.forward_backward.breakdown.get("optimizer_state", 0) or b.get("optimizer_state", 0)
+    return ModelState(params, b.get("gradients", 0), state or max(0, m.host_peak - params), m.step_tensors)
 
 
 def plan_result(plan: Plan, step: StepMeasurement, micro: StepMeasurement, device: Device, world_size: int,
