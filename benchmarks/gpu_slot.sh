@@ -3,13 +3,13 @@
 # machine whose python3 has torch, timm and scipy (memfit itself from this checkout, on PYTHONPATH):
 #   OUT=DIR bash benchmarks/gpu_slot.sh [CASES [TRACES [LATER]]]
 # Stages, in this order, each given what is left of SLOT_S (a stage that would get under 20 s is skipped):
-#   calibrate: this GPU's step-time profile (memfit bench --calibrate);
-#   measure:   gpu_calibration.py's cases CASES (default: ViT-L's eight rows, Swin-L's eight, Swin-B under FSDP,
-#              DeiT-B with its optimizer offloaded, then DINO's rows 1 and 3), 8 timed steps each, every step's
-#              time kept, one more step profiled (host against device);
-#   trace:     the allocator traces of TRACES (default: DINO's rows 5 and 6, whose reserved memory the planner
-#              misses by -9.7% and +7.7%; '' for none);
-#   later:     the cases LATER (default: DINO's rows 2, 4, 5, 6: step times beside row 1's of the same machine);
+#   calibrate: this GPU's step-time profile (memfit bench --calibrate; 26 s on an H100);
+#   measure:   gpu_calibration.py's cases CASES (default: ViT-L's eight rows, Swin-L's eight, Swin-B under FSDP and
+#              DeiT-B with its optimizer offloaded: about 380 s), 8 timed steps each, every step's time kept, one
+#              more step profiled (host against device); each case's process takes 17-26 s on an H100 (DINO's rows
+#              27-67 s, the first with the Triton kernel's compilation);
+#   trace:     the allocator traces of TRACES (default none; DINO's rows 5 and 6 took 48 s together);
+#   later:     the cases LATER (default none; e.g. 12,13 for DINO's rows 1 and 2);
 #   then whatever CHECKS adds: "deform" (benchmarks/deform_check.py), "temporaries" (benchmarks/cuda_temporaries.py),
 #   "allocator" (the installed allocator's replay test).
 # DINO's cases need pycocotools and timm >= 1.0.31 (dynamic image sizes); where the GPU machine lacks them, put
@@ -19,9 +19,9 @@
 # stages.txt (each stage's seconds), profile.json, measured.json, trace_<i>.json.gz, later/measured.json, logs.
 set -u
 OUT=${OUT:-benchmarks/results/gpu_slot}
-CASES=${1:-18,19,20,21,22,23,24,25,0,1,2,3,4,5,6,7,26,27,12,14}
-TRACES=${2-16,17}
-LATER=${3-13,15,16,17}
+CASES=${1:-18,19,20,21,22,23,24,25,0,1,2,3,4,5,6,7,26,27}
+TRACES=${2-}
+LATER=${3-}
 CHECKS=${CHECKS:-}
 SLOT_S=${SLOT_S:-480}
 W=$(mktemp -d)
