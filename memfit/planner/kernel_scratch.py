@@ -2,7 +2,8 @@
 not: the planner adds it to a CUDA target's step (:class:`memfit.measure.live_storages.LiveStorages`'s
 ``scratch``), allocated after the operator's outputs and freed when the operator returns.
 
-One kernel family so far, the largest in vision training: ATen's sums and means
+Two operators so far: ``torch.roll`` over several dims (:func:`roll_scratch`), and the largest family in vision
+training, ATen's sums and means
 (``aten/src/ATen/native/cuda/Reduce.cuh``). When a reduction's few outputs each sum many inputs (a bias
 gradient: a linear layer's output gradient summed over batch and tokens), the kernel splits every output's
 inputs over several thread blocks and stages their partial sums in a global buffer of fp32 values
@@ -34,12 +35,28 @@ _aten = torch.ops.aten
 # too, with other accumulators; the traces show none of them in a training step.
 _OVER_DIMS = frozenset({_aten.sum.dim_IntList, _aten.mean.dim})
 _OVER_ALL = frozenset({_aten.sum.default, _aten.mean.default})
+_ROLL = _aten.roll.default
+
+
+def roll_scratch(args: tuple, kwargs: dict | None) -> tuple[int, ...]:
+    """``torch.roll`` over several dims: ATen's ``roll_common`` rolls the first dim into a new tensor and the rest
+    of it recursively, so each dim but the last leaves a tensor of the input's size until the operator returns (a
+    shifted Swin block rolls over two dims twice: one more block of its activation each time; the fake step's
+    decomposition makes none). Its blocks, as the reductions' are, come after the output here."""
+    x = args[0]
+    dims = args[2] if len(args) > 2 else (kwargs or {}).get("dims", ())
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    if not isinstance(x, torch.Tensor) or len(dims) < 2 or x.numel() == 0:
+        return ()
+    return (x.numel() * x.element_size(),) * (len(dims) - 1)
 
 
 def cuda_scratch(func: Any, args: tuple, kwargs: dict | None, out: Any, sms: tuple[int, int] = H100_SMS
                  ) -> tuple[int, ...]:
     """Bytes of the scratch blocks ``func`` takes for these arguments on a CUDA device of ``sms`` (SMs, threads
     per SM), in allocation order (freed in reverse when it returns); empty when it takes none."""
+    if func is _ROLL:
+        return roll_scratch(args, kwargs)
     if func in _OVER_DIMS:
         x = args[0]
         dim = args[1] if len(args) > 1 else (kwargs or {}).get("dim")

@@ -109,10 +109,16 @@ def _same_prefix(low: Timeline, high: Timeline) -> bool:
 
 
 def _scratch(a: tuple, b: tuple, line: _Line) -> tuple[int, ...] | None:
-    """A reduction's scratch blocks at the line's micro-batch, from its arguments at the two recordings'."""
+    """A reduction's scratch blocks at the line's micro-batch, from its arguments at the two recordings'; another
+    operator's (a copy of its input: ``torch.roll``'s) on the line through their sizes."""
     spec_a, spec_b = a[2], b[2]
+    if spec_a is None and spec_b is None:
+        if len(a[1]) != len(b[1]):
+            return None
+        sizes = tuple(line(x, y) for x, y in zip(a[1], b[1]))
+        return None if None in sizes else sizes
     if spec_a is None or spec_b is None:
-        return a[1] if a[1] == b[1] else None
+        return None
     (shape_a, stride_a, off_a, *rest_a), (shape_b, stride_b, off_b, *rest_b) = spec_a, spec_b
     if rest_a != rest_b or len(shape_a) != len(shape_b):
         return None

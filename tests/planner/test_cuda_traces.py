@@ -22,7 +22,7 @@ import torch
 import memfit.planner.fake as fake
 from memfit.planner.devices import GPUS
 from memfit.planner.fake import fake_process_group, measure_step
-from memfit.planner.kernel_scratch import reduce_scratch
+from memfit.planner.kernel_scratch import cuda_scratch, reduce_scratch, roll_scratch
 from memfit.planner.predict import predict
 from tests.measure.test_allocator_traces import CASES, _case
 
@@ -102,6 +102,19 @@ def test_every_scratch_block_the_fake_step_adds_is_in_the_trace(name):
     missing = {n: k - step[n] for n, k in added.items() if step[n] < k}
     assert not missing, f"scratch blocks the real step did not allocate: {missing}"
 
+
+
+def test_a_roll_over_two_dims_leaves_a_copy_of_its_input_until_it_returns():
+    """ATen's roll_common rolls the first dim into a new tensor, then the rest: Swin's shifted blocks roll their
+    activations over height and width before and after attention, each roll with one more activation-sized block
+    (DINO Swin-L's H100 trace: one per shifted block and roll, 24.6 MiB each in its third stage)."""
+    x = torch.empty(16, 56, 56, 96)
+    assert roll_scratch((x, [-3, -3], [1, 2]), None) == (x.nbytes,)
+    assert cuda_scratch(torch.ops.aten.roll.default, (x, [-3, -3], [1, 2]), {}, None) == (x.nbytes,)
+    assert roll_scratch((x, [1, 2, 3], [0, 1, 2]), None) == (x.nbytes, x.nbytes)
+    assert roll_scratch((x, [3], [1]), None) == () and roll_scratch((x, 3), {"dims": 1}) == ()
+    # Swin-T at batch 16: the first stage's shifted block, in forward, and its backward's rolls of the gradient.
+    assert _scratch_sizes("swin_t")[x.nbytes] >= 2
 
 
 @pytest.mark.parametrize("name", CASES)

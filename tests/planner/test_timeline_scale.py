@@ -11,7 +11,7 @@ from memfit.planner.fake import build_meta_model, fake_process_group, first_batc
 from memfit.planner.kernel_scratch import Blocks
 from memfit.planner.recompute import compose
 from memfit.planner.space import ModelFacts, Plan, checkpointed_modules
-from memfit.planner.timeline import ALLOC, OP, Timeline
+from memfit.planner.timeline import ALLOC, OP, SCRATCH, Timeline
 from memfit.planner.timeline_scale import at_micro_batch, scaled_recording
 
 MiB = 2**20
@@ -81,6 +81,17 @@ def test_a_reductions_scratch_is_worked_out_again_at_the_new_micro_batch():
         assert scaled.events == [event(b)[0], (9, event(b)[1][1], None), (OP, b * 10, b * 4, False)], b
     # None at 4 images, split at 12, and not in proportion between the recordings
     assert not event(4)[1][1] and event(12)[1][1] and event(32)[1][1][0] != 2 * event(16)[1][1][0]
+
+
+def test_a_rolls_copy_of_its_input_scales_with_the_batch():
+    """Scratch without a reduction's arguments (a multi-dim ``torch.roll``'s copy of its input) is on the line
+    through its sizes at the two recordings."""
+    def timeline(b: int) -> Timeline:
+        return Timeline(events=[(ALLOC, 1, b * 4096, False), (SCRATCH, (b * 4096,), None), (OP, 0, b * 4096, False)])
+
+    assert at_micro_batch(timeline(16), timeline(32), (16, 32), 4).events[1] == (SCRATCH, (4 * 4096,), None)
+    odd = Timeline(events=[(ALLOC, 1, 32 * 4096, False), (SCRATCH, (1, 2), None), (OP, 0, 32 * 4096, False)])
+    assert at_micro_batch(timeline(16), odd, (16, 32), 4) is None  # another number of blocks
 
 
 def test_recordings_with_other_events_are_not_scaled():
