@@ -39,10 +39,13 @@ ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_NO_CUDA_M
              "CUBLAS_WORKSPACE_CONFIG")
 
 
-def start_recording(max_entries: int) -> str:
-    """Start recording the allocator's history without stack frames; returns the call that worked."""
+def start_recording(max_entries: int, frames: bool = False) -> str:
+    """Start recording the allocator's history without stack frames (``frames``: with each allocation's Python
+    frames); returns the call that worked."""
     rec = torch.cuda.memory._record_memory_history
-    tries = [
+    tries = [("enabled='all', context='alloc', stacks='python'",
+              dict(enabled="all", context="alloc", stacks="python", max_entries=max_entries))] if frames else []
+    tries += [
         ("enabled='all', context=None, stacks='python', clear_history=True",
          dict(enabled="all", context=None, stacks="python", max_entries=max_entries, clear_history=True)),
         ("enabled='all', context=None, stacks='python'",

@@ -135,6 +135,19 @@ def compact_trace(entries: list[dict]) -> tuple[list[list], dict[str, dict], dic
     return rows, extras, dict(counts)
 
 
+def alloc_frames(entries: list[dict], min_size: int = MIB, keep: int = 6) -> dict[str, str]:
+    """Each allocation of at least ``min_size`` bytes whose entry has Python frames: its row index (as a string) ->
+    its innermost ``keep`` frames, ``dir/file.py:line:function`` joined by `` < `` (innermost first)."""
+    out = {}
+    for i, e in enumerate(entries):
+        if e.get("action") != "alloc" or (e.get("size") or 0) < min_size or not e.get("frames"):
+            continue
+        out[str(i)] = " < ".join(
+            f"{'/'.join(str(f.get('filename', '?')).split('/')[-2:])}:{f.get('line', 0)}:{f.get('name', '?')}"
+            for f in e["frames"][:keep])
+    return out
+
+
 def device_trace(snapshot: dict, device: int) -> list[dict]:
     traces = snapshot.get("device_traces") or []
     if len(traces) > device:

@@ -132,17 +132,18 @@ def measure_one(index: int) -> dict:
             "torch": torch.__version__}
 
 
-def trace_one(index: int, out: Path) -> dict:
+def trace_one(index: int, out: Path, frames: bool = False) -> dict:
     """Record the caching allocator's trace of case ``index`` from an empty allocator: the model built, two
     optimizer steps (the second on the segments the first left; after the steps fp16's loss scaler skips, which
     are recorded too). Written to ``out/trace_<index>.json.gz``
     (rows: action, addr, size, stream; benchmarks/allocator_trace_format.py) with the peaks and the segment
-    boundaries of each step."""
+    boundaries of each step; ``frames``: also each allocation of 1 MiB or more's innermost Python frames
+    (``frames``: row index -> frames; what makes a block the fake step does not)."""
     import gzip
 
     import torch
     from allocator_recording import start_recording, stop_recording
-    from allocator_trace_format import compact_trace, device_trace
+    from allocator_trace_format import alloc_frames, compact_trace, device_trace
 
     from memfit.planner.bench import WARMUP_STEPS, build_for_training, optimizer_state_tensors
     from memfit.planner.inputs import Inputs
@@ -156,7 +157,7 @@ def trace_one(index: int, out: Path) -> dict:
         batch = Inputs(run_cfg).batch()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        how = start_recording(2_000_000)
+        how = start_recording(2_000_000, frames)
         model, wrapper, _ = build_for_training(run_cfg)
         k = plan.accumulative_counts
         wrapper.initialize_count_status(model, 0, (WARMUP_STEPS + 2) * k)
@@ -170,11 +171,13 @@ def trace_one(index: int, out: Path) -> dict:
                           "allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
                           "max_allocated": torch.cuda.max_memory_allocated(),
                           "max_reserved": torch.cuda.max_memory_reserved()})
-        rows, extras, counts = compact_trace(device_trace(torch.cuda.memory._snapshot(), 0))
+        entries = device_trace(torch.cuda.memory._snapshot(), 0)
+        rows, extras, counts = compact_trace(entries)
+        named = alloc_frames(entries) if frames else {}
         stop_recording()
     rec = {"case": name, "plan": plan.name, "recording": how, "torch": torch.__version__, "cuda": torch.version.cuda,
            "gpu": torch.cuda.get_device_name(), "steps": marks, "trace": rows, "trace_extras": extras,
-           "trace_actions": counts}
+           "trace_actions": counts, **({"frames": named} if frames else {})}
     out.mkdir(parents=True, exist_ok=True)
     with gzip.open(out / f"trace_{index}.json.gz", "wt") as f:
         json.dump(rec, f)
@@ -338,6 +341,7 @@ def main() -> None:
     m.add_argument("--trace", nargs="?", const="", default=None,
                    help="first record allocator traces: of these case indices, or bare, of the TRACED cases measured")
     t = sub.add_parser("trace")
+    t.add_argument("--frames", action="store_true", help="keep each allocation's Python frames (1 MiB or more)")
     t.add_argument("index", type=int)
     t.add_argument("--out", default="benchmarks/results/gpu_calibration_measured")
     sub.add_parser("workspaces", help="on a GPU: what each kernel family's first call keeps allocated")
@@ -364,7 +368,7 @@ def main() -> None:
 
         logging.getLogger("memfit").setLevel(logging.ERROR)
         warnings.simplefilter("ignore")
-        print(json.dumps(trace_one(args.index, Path(args.out))))
+        print(json.dumps(trace_one(args.index, Path(args.out), args.frames)))
     elif args.cmd == "measure":
         measure(Path(args.out), [int(i) for i in args.only.split(",") if i],
                 None if args.trace is None else [int(i) for i in args.trace.split(",") if i])

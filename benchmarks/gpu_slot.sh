@@ -8,7 +8,8 @@
 #              DeiT-B with its optimizer offloaded: about 380 s), 8 timed steps each, every step's time kept, one
 #              more step profiled (host against device); each case's process takes 17-26 s on an H100 (DINO's rows
 #              27-67 s, the first with the Triton kernel's compilation);
-#   trace:     the allocator traces of TRACES (default none; DINO's rows 5 and 6 took 48 s together);
+#   trace:     the allocator traces of TRACES (default none; DINO's rows 5 and 6 took 48 s together); with FRAMES=1
+#              each allocation of 1 MiB or more keeps its Python frames (which operator made a block);
 #   later:     the cases LATER (default none; e.g. 12,13 for DINO's rows 1 and 2);
 #   then whatever CHECKS adds: "deform" (benchmarks/deform_check.py), "temporaries" (benchmarks/cuda_temporaries.py),
 #   "allocator" (the installed allocator's replay test).
@@ -50,7 +51,9 @@ stage() {
 cat "$W/env.txt"
 stage calibrate 60 python3 -m memfit bench --calibrate --out "$W/profile.json"
 stage measure 400 python3 benchmarks/gpu_calibration.py measure --only "$CASES" --out "$W"
-for i in ${TRACES//,/ }; do stage "trace_$i" 60 python3 benchmarks/gpu_calibration.py trace "$i" --out "$W"; done
+for i in ${TRACES//,/ }; do
+  stage "trace_$i" 90 python3 benchmarks/gpu_calibration.py trace "$i" --out "$W" ${FRAMES:+--frames}
+done
 [ -n "$LATER" ] && stage later 300 python3 benchmarks/gpu_calibration.py measure --only "$LATER" --out "$W/later"
 case $CHECKS in *deform*) stage deform 120 python3 benchmarks/deform_check.py;; esac
 case $CHECKS in *temporaries*) stage temporaries 60 python3 benchmarks/cuda_temporaries.py --out "$W";; esac
