@@ -58,14 +58,11 @@ HOST_STEP_BYTES_PER_S = 20e9
 # and -17% / -0.4% (Swin-B, the two runs); without it they were -35% and -56% / -47%. On a third machine, with the
 # host paced apart from the kernels (step = the slower): -4.6% and +6.4%.
 FSDP_TENSOR_US = 80.0
-# Selective checkpointing's host cost per operator its recomputation runs (its policy is a Python dispatch mode
-# over every operator of the region, in forward and again in the recomputation), where a profile has no
-# ``selective_op_us``: fitted to the H100's step times (benchmarks/gpu_calibration_h100.json, torch 2.11): ViT-L/16
-# b64 bf16 ac:selective 171 ms (49 ms over the model without it, 1776 operators recomputed), Swin-L b32 bf16
-# 182 ms (39 ms over, 3013 operators); 18 us put both within 8% (relative to fp32, within 7%) when the host's and
-# the kernels' times were summed. The installed H100 profile measures its own (69.65 us on its machine, where
-# ViT-L/16's selective step paid 46 us per recomputed operator and Swin-L's 98 us).
-SELECTIVE_OP_US = 18.0
+# Selective checkpointing's host cost per operator its recomputation runs, beyond plain checkpointing's (its policy
+# is a Python dispatch mode over every operator of the region, in forward and again in the recomputation), where a
+# profile has no ``selective_op_us``: ViT-L/16's H100 steps paid 16 us (benchmarks/gpu_calibration_h100_run3.json;
+# 27 and 0 us on two other machines), Swin-L's 16 us on one machine and 73 us on another, unexplained; CPUs 13-17 us.
+SELECTIVE_OP_US = 16.0
 # The three below are fitted to one H100 machine's steps (benchmarks/gpu_calibration_h100_run3.json, torch 2.11, a
 # 16-core host; its profile is memfit/planner/profiles/h100.json): each case's profiled step says how long its
 # kernels ran by family and when its Python returned (docs/planner.md, "Step-time model").

@@ -22,7 +22,7 @@ The factors (``"factors"`` in the file; any may be left out, the constant then a
 - ``fsdp_tensor_us``: FSDP2's host work per parameter tensor each time it gathers or reduces it (not measured by
   the calibration: :data:`memfit.planner.cost.FSDP_TENSOR_US` unless a profile sets it);
 - ``selective_op_us``: selective checkpointing's host cost per operator its recomputation runs (its policy sees
-  every operator of the region), beyond the operator's launch;
+  every operator of the region), beyond plain checkpointing's;
 - ``host_op_factor``, ``recompute_op_factor``, ``model_memory_bound`` (not measured by the calibration: fitted to
   real steps, :data:`memfit.planner.cost.HOST_OP_FACTOR` and its neighbours unless a profile sets them): a training
   step's host cost per operator over ``launch_us``; a recomputed operator's extra, in operators; the share of
