@@ -173,11 +173,11 @@ def trace_one(index: int, out: Path, frames: bool = False) -> dict:
                           "max_reserved": torch.cuda.max_memory_reserved()})
         entries = device_trace(torch.cuda.memory._snapshot(), 0)
         rows, extras, counts = compact_trace(entries)
-        named = alloc_frames(entries) if frames else {}
+        named = {"frames": alloc_frames(entries)} if frames else {}
         stop_recording()
     rec = {"case": name, "plan": plan.name, "recording": how, "torch": torch.__version__, "cuda": torch.version.cuda,
            "gpu": torch.cuda.get_device_name(), "steps": marks, "trace": rows, "trace_extras": extras,
-           "trace_actions": counts, **({"frames": named} if frames else {})}
+           "trace_actions": counts, **named}
     out.mkdir(parents=True, exist_ok=True)
     with gzip.open(out / f"trace_{index}.json.gz", "wt") as f:
         json.dump(rec, f)

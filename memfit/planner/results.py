@@ -95,7 +95,8 @@ def _offloaded(breakdown: dict[str, int]) -> dict[str, int]:
 
 
 def model_state(m: StepMeasurement) -> ModelState:
-    """The parameters, gradients and optimizer state a step measured (the optimizer phase's breakdown)."""
+    """The parameters and gradients a step measured (the optimizer phase's breakdown) and the optimizer state it
+    keeps."""
     b = m.optimizer.breakdown or m.breakdown
     params = b.get("parameters", 0)
     # The state a step keeps (held through the next forward/backward; the optimizer phase's peak adds foreach's
