@@ -14,6 +14,7 @@ from memfit.planner.recompute import CachedTensorMutated, compose
 from memfit.planner.results import PlanResult, allocator_rounding, plan_result
 from memfit.planner.runs import Runs, StepFailed
 from memfit.planner.space import Plan, checkpointed_modules
+from memfit.planner.sync_points import sharded_peak
 from memfit.planner.timeline_scale import scaled_recording
 
 _COMPOSED = ("none", "stages", "blocks", "every2", "selective")  # checkpointing choices composed (and firstN)
@@ -127,7 +128,8 @@ class Composer:
         return StepMeasurement(k.peak, {}, Phase(k.peak, {}), Phase(), flops=k.flops, ops=k.ops, written=k.written,
                                peak_without_grads=k.peak_without_grads,
                                cuda_allocated=k.cuda_allocated, cuda_reserved=k.cuda_reserved, conv_flops=conv,
-                               cuda_requested=k.cuda_requested, recompute_ops=k.recompute_ops, attn_flops=attn)
+                               cuda_requested=k.cuda_requested, recompute_ops=k.recompute_ops, attn_flops=attn,
+                               sync=k.sync)
 
     def _allocator_run(self, plan: Plan, mb: int, shard: StepMeasurement, anchor: tuple[int, int],
                        rounding_at: tuple[StepMeasurement, tuple[int, int]]) -> StepMeasurement:
@@ -135,9 +137,9 @@ class Composer:
         (composed, or its run's own calls) twice, with its sharding's optimizer step between and after (the
         segments a second step finds; an offloaded optimizer's state and step allocate nothing on the device).
         FSDP and ZeRO-2 allocate their buffers around the activations, on streams of their own, which a
-        single-device forward/backward cannot show: their rows add what their sharding's step held beyond the
-        same two steps of the reference activations at its ``anchor`` (micro-batch, micro-steps; measured at the
-        reference activations, as the optimizer phase is). ``rounding_at``: the sharding's step (and its anchor)
+        single-device forward/backward cannot show: their rows add the segments of those streams in their sharding's
+        step (one that accumulates: what its step held beyond the same two steps of the reference activations at its
+        ``anchor``, micro-batch and micro-steps). ``rounding_at``: the sharding's step (and its anchor)
         nearest the plan's micro-batch, whose blocks' rounding an FSDP row takes."""
         act = self._act(plan, mb)
         if shard.epilogue is None or not self.device.cuda:
@@ -155,8 +157,16 @@ class Composer:
             ref = self._two_steps(self._ref(plan), anchor[0], epilogue, key, anchor[1])
             if ref is None:
                 return out
-            extra = (shard.cuda_reserved - shard.cuda_allocated) - (ref.cuda_reserved - ref.cuda_allocated)
             allocated = out.cuda_allocated
+            slack = out.cuda_reserved - out.cuda_allocated
+            if plan.accumulative_counts == 1:
+                # The free space the row's activations leave in the default stream's segments (its two steps), and
+                # the segments of the streams its sharding allocates on, which only its own buffers use: their size
+                # is the sharding step's, whatever the activations beside (Swin-L at 8 ranks: 864 MiB in each of
+                # its FSDP and ZeRO-2 rows' own fake steps).
+                slack += shard.stream_reserved
+            else:  # what the sharding's step (accumulating at the anchor) left free beyond the same activations'
+                slack += max(0, (shard.cuda_reserved - shard.cuda_allocated) - (ref.cuda_reserved - ref.cuda_allocated))
             r_shard, r_anchor = rounding_at
             r_ref = None
             if plan.sharding == "fsdp":
@@ -171,8 +181,7 @@ class Composer:
                 # gathered parameters stay through backward, came out 1-2% lower, so they keep the replay's.)
                 rounding = allocator_rounding(r_shard) + allocator_rounding(out) - allocator_rounding(r_ref)
                 allocated += max(0, rounding) - allocator_rounding(out)
-            out = replace(out, cuda_allocated=allocated,
-                          cuda_reserved=allocated + out.cuda_reserved - out.cuda_allocated + max(0, extra))
+            out = replace(out, cuda_allocated=allocated, cuda_reserved=allocated + slack)
         return out
 
     def _slack_at(self, plan: Plan, shard: StepMeasurement, anchor: tuple[int, int],
@@ -255,6 +264,18 @@ class Composer:
         left = shard.forward_backward.breakdown.get("activations", 0)
         return int(left * (ratio - 1)) + plan_inputs - inputs
 
+    def _sharded_peak(self, plan: Plan, ref: Plan, shard: StepMeasurement, mb: int) -> int | None:
+        """The peak of ``plan``'s forward/backward under its sharding (``shard``: the sharding's step of the
+        reference activations at micro-batch ``mb``), from the sharding's bytes at each sync point of the step
+        (:func:`~memfit.planner.sync_points.sharded_peak`); None where a step has no sync points."""
+        if shard.sync is None or not self._composes(plan.activation_checkpointing) or \
+                not self._composes(ref.activation_checkpointing):
+            return None
+        ref_sync, row_sync = self._act(ref, mb).sync, self._act(plan, mb).sync
+        if row_sync is not None and row_sync == ref_sync:  # the row's activations are the sharding step's own
+            return shard.forward_backward.peak
+        return sharded_peak(shard.sync, ref_sync, row_sync)
+
     def __call__(self, plan: Plan) -> PlanResult:
         ref = self._ref(plan)
         accumulates = plan.accumulative_counts > 1 and ref.accumulative_counts == 1
@@ -271,9 +292,12 @@ class Composer:
         # runs with the offload, whose buffers' slack differs (ViT-B at 8 ranks, benchmarks/composed_rows.py: its
         # rows reserved -5.3% .. -2.2% of their own fake steps from the step without it, now -3.4% .. +1.8%).
         offload = "none" if plan.offload == "optimizer" and plan.sharding != "zero2" else plan.offload
+        # A ZeRO-2 or FSDP step that does not accumulate records its sync points (memfit.planner.sync_points).
+        sync = self.record if plan.sharding in ("zero2", "fsdp") and self.recorded else None
         shards = {(mb, k): self.runs.run(("shard", plan.sharding, offload, plan.channels_last, plan.fused_optimizer,
                                           mb, k), replace(ref, sharding=plan.sharding, offload=offload, micro_batch=mb,
-                                                          accumulative_counts=k), full=True, steps=1)
+                                                          accumulative_counts=k), full=True, steps=1,
+                                         record=sync if k == 1 else None)
                   for mb, k in anchors}
         nearest = min(anchors, key=lambda a: abs(a[0] - plan.micro_batch))  # whose step rounds as the plan's would
         results = []
@@ -295,6 +319,8 @@ class Composer:
                 fb_delta = without_grads - ref_without_grads
             elif accumulates:
                 fb_delta = self._at_reduce_scatter(shard, mb, plan.micro_batch, without_grads, ref_without_grads)
+            elif plan.sharding in ("zero2", "fsdp") and (at := self._sharded_peak(plan, ref, shard, mb)) is not None:
+                fb_delta = at - shard.forward_backward.peak
             elif plan.sharding in ("zero2", "fsdp"):
                 # Their gradients are reduce-scattered as backward makes them, each rank keeping its shard: of the
                 # whole gradients a single device holds at its peak (a checkpointed step's is late in backward,

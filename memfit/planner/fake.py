@@ -93,6 +93,12 @@ class StepMeasurement:
     # A forward/backward run on a CUDA target: where its step began in the simulated allocator's calls, and
     # the calls (CachingAllocatorModel.calls), for a replay of two steps (memfit.planner.predict).
     allocator_calls: tuple[int, tuple] | None = None
+    # A full run with ``record`` (or a composed forward/backward): its first forward/backward's tracked bytes at
+    # the region calls' sync points (memfit.planner.sync_points), in its forward/backward phase's terms.
+    sync: Any = None
+    # A full run on a CUDA target: what its simulated allocator reserved on the streams its sharding allocates on
+    # (FSDP2's all-gathers and reduce-scatters; all but the default stream and the batches' copy stream).
+    stream_reserved: int = 0
 
 
 @contextlib.contextmanager
@@ -231,7 +237,8 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
     ``sms`` (SMs, threads per SM: how far kernels split, :mod:`memfit.planner.kernel_scratch`).
     ``record``: a forward/backward run records its timeline (:mod:`memfit.planner.timeline`), with the calls
     of the modules so named as the regions checkpointing choices are composed over; its own figures are then
-    not the step's (the recording keeps no saved tensor): compose them from ``timeline``.
+    not the step's (the recording keeps no saved tensor): compose them from ``timeline``. A full run records its
+    first forward/backward's :class:`~memfit.planner.sync_points.SyncProfile` over those calls (``sync``).
     """
     import time
 
@@ -239,6 +246,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
     from memfit.measure.target import measured_for
     from memfit.optim.builder import scale_lr_cfg
     from memfit.planner.cuda_autocast import cuda_autocast_on_cpu
+    from memfit.planner.sync_points import SyncRecorder
     from memfit.planner.timeline import Recorder
     from memfit.precision import precision_options
     from memfit.strategies import build_strategy
@@ -277,10 +285,11 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
         counter = OpCounter()
         allocator = CachingAllocatorModel() if cuda else None
         epilogue = None
-        recorder = None
-        if record is not None and not full:
+        recorder: Recorder | SyncRecorder | None = None
+        if record is not None:
             modules = dict(model.named_modules())
-            recorder = Recorder({n: modules[n] for n in record if n in modules}, allocator)
+            regions = {n: modules[n] for n in record if n in modules}
+            recorder = SyncRecorder(model, regions) if full else Recorder(regions, allocator, model)
         observer = recorder.observe(counter) if recorder is not None else counter
         with counter, MemoryTracker(model, wrapper.optimizer, observer=observer, allocator=allocator) as tracker, \
                 cuda_autocast_on_cpu(cuda), measured_for("cuda" if cuda else None):
@@ -306,10 +315,12 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
             finally:  # its optimizer hooks are global: a step that failed must not leave them behind
                 overall = phases.close()
             fb_without_grads = tracker.live_storages.peak_without_grads
+        held = buckets  # beside the step's tracked bytes, in its phases' figures
         if full and steps == 1:
             # Every later forward/backward runs beside the optimizer state the first step created (and
             # is otherwise the same): add it rather than run a second step.
             state = sum({id(st): st.nbytes() for st in storages(optimizer_state_tensors(tracker.optimizer))}.values())
+            held += state
             fb = phases.fb
             fb.peak += state
             fb.breakdown["optimizer_state"] = fb.breakdown.get("optimizer_state", 0) + state
@@ -332,9 +343,19 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
                            comm=dict(counter.comm), seconds=time.perf_counter() - start,
                            cuda_allocated=allocator.peak_allocated if allocator else 0,
                            cuda_reserved=allocator.peak_reserved if allocator else 0,
-                           timeline=recorder.timeline if recorder is not None else None,
-                           host_peak=tracker.host_peak_bytes, peak_without_grads=0 if full else fb_without_grads,
+                           timeline=recorder.timeline if isinstance(recorder, Recorder) else None,
+                           sync=recorder.profile.shifted(held) if isinstance(recorder, SyncRecorder) else None,
+                           host_peak=tracker.host_peak_bytes,
+                           stream_reserved=_stream_reserved(allocator) if full else 0,
+                           peak_without_grads=0 if full else fb_without_grads,
                            step_tensors=len(stepped_params(tracker.optimizer)) if full else 0)
+
+
+def _stream_reserved(allocator: CachingAllocatorModel | None) -> int:
+    """What ``allocator`` reserved on streams other than the default one and the batches' copy stream."""
+    if allocator is None:
+        return 0
+    return sum(n for _, n, stream in allocator.segments if stream not in (0, INPUT_STREAM))
 
 
 def optimizer_epilogue(calls: list[tuple[Any, int | None]]) -> list[tuple[int, int | None]]:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from memfit.measure import CachingAllocatorModel
+from memfit.planner.sync_points import SyncProfile
 from memfit.planner.timeline import ALLOC, FREE, OP, SCRATCH, Timeline
 
 
@@ -45,6 +46,7 @@ class Composed:
     cuda_requested: int = 0  # with an epilogue: the bytes the two steps requested at their peak
     recompute_ops: int = 0  # of ``ops``: the recomputations' (and their saved tensors' detaches)
     peak_without_grads: int = 0  # the peak of all but the gradients (LiveStorages.peak_without_grads)
+    sync: SyncProfile | None = None  # the tracked bytes at the recording's sync points, where it has them
 
 
 class CachedTensorMutated(RuntimeError):
@@ -103,6 +105,7 @@ def compose(tl: Timeline, regions: Iterable[str], selective: bool = False,
     for i, sizes in ix.scratch:
         _scratch(items, (i, 0), 0, ("scratch", i), sizes)
     items += [(i, 1, 0, None, uid, 0, False) for i, uid in ix.grads]  # is_alloc None: it became a gradient
+    items += [(i, 0, 0, "sync", kind, 0, False) for i, kind in ix.sync]
     return replace(_replay(tl, items, flops, ops, written, epilogue, micro_steps), recompute_ops=recompute_ops)
 
 
@@ -197,8 +200,14 @@ def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int
     gradients: set[Any] = set()
     first = len(allocator.trace) if allocator is not None else 0
     sizes: dict[Any, int] = {}
+    kinds: list[int] = []
+    start, at, peaks = tl.start, [], [tl.start]  # the sync points' figures (SyncProfile)
     for _, _, _, is_alloc, key, n, retro in items:
-        if is_alloc is None:
+        if is_alloc == "sync":
+            kinds.append(key)
+            at.append(total)
+            peaks.append(total)
+        elif is_alloc is None:
             if key in sizes and key not in gradients:
                 gradients.add(key)
                 grads += sizes[key]
@@ -207,7 +216,10 @@ def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int
             total += n
             if retro:
                 peak, peak_ng = peak + n, peak_ng + n
+                # alive since the start: at every point so far too
+                start, at, peaks = start + n, [a + n for a in at], [p + n for p in peaks]
             peak, peak_ng = max(peak, total), max(peak_ng, total - grads)
+            peaks[-1] = max(peaks[-1], total)
             if allocator is not None:
                 allocator.malloc(("step", key), n, tl.streams.get(key, 0))
         else:
@@ -218,11 +230,12 @@ def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int
                 grads -= freed
             if allocator is not None:
                 allocator.free(("step", key))
+    sync = SyncProfile(tuple(kinds), start, tuple(at), tuple(peaks)) if kinds else None
     if allocator is None:
-        return Composed(peak, flops, ops, written, peak_without_grads=peak_ng)
+        return Composed(peak, flops, ops, written, peak_without_grads=peak_ng, sync=sync)
     requested = 0
     if epilogue is not None:
         allocator.finish_steps(first, epilogue, allocator.held_since(first), micro_steps)
         requested = allocator.peak_requested
     return Composed(peak, flops, ops, written, allocator.peak_allocated, allocator.peak_reserved, requested,
-                    peak_without_grads=peak_ng)
+                    peak_without_grads=peak_ng, sync=sync)

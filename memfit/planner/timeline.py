@@ -22,6 +22,7 @@ from torch import nn
 
 from memfit.measure import CachingAllocatorModel, storages
 from memfit.memory.checkpointing import DEFAULT_SAVE_OPS, resolve_ops
+from memfit.planner.sync_points import install_hooks
 
 _DETACH = torch.ops.aten.detach.default
 
@@ -42,6 +43,7 @@ SCRATCH = 9
 # where checkpointing frees a recomputed tensor, before autograd sums a broadcast gradient and releases the rest)
 DROP = 10
 GRAD = 11  # (GRAD, uid): the storage became a parameter's gradient
+SYNC = 12  # (SYNC, kind): a point where a sharded step's buffers change (memfit.planner.sync_points)
 
 
 class _Saved:
@@ -78,13 +80,15 @@ class Timeline:
 class Recorder:
     """Records a :class:`Timeline` of the forward/backward run inside it.
 
-    ``regions``: the modules whose calls are windows a choice may checkpoint; ``allocator``: the simulated
+    ``regions``: the modules whose calls are windows a choice may checkpoint; ``model``: theirs, whose sync points
+    (:mod:`memfit.planner.sync_points`) the timeline also holds; ``allocator``: the simulated
     CUDA allocator, whose calls so far are the timeline's prefix; ``mode``: the tracker's live-storage mode
     (its allocations and frees are the timeline's), set before entering. :meth:`observe` wraps the operator
     counter, which the tracker is given as its observer."""
 
-    def __init__(self, regions: dict[str, nn.Module], allocator: CachingAllocatorModel | None = None) -> None:
-        self.regions, self.allocator = regions, allocator
+    def __init__(self, regions: dict[str, nn.Module], allocator: CachingAllocatorModel | None = None,
+                 model: nn.Module | None = None) -> None:
+        self.regions, self.allocator, self.model = regions, allocator, model
         self.mode: Any = None
         self.timeline = Timeline()
         self.events = self.timeline.events
@@ -223,6 +227,8 @@ class Recorder:
         for name, module in self.regions.items():
             self._handles.append(module.register_forward_pre_hook(partial(self._enter, name), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+        if self.model is not None:
+            self._handles += install_hooks(self.model, self.regions, lambda kind: self.events.append((SYNC, kind)))
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
@@ -253,6 +259,7 @@ class _Index:
         self.allocs: list[tuple[int, int, int, bool]] = []  # (index, uid, nbytes, retroactive)
         self.scratch: list[tuple[int, tuple[int, ...]]] = []  # (index, sizes)
         self.grads: list[tuple[int, int]] = []  # (index, uid) where a storage became a gradient
+        self.sync: list[tuple[int, int]] = []  # (index, kind) of the sync points
         self.alloc_at: dict[int, int] = {}
         self.cached: set[int] = set()  # uids made by an operator selective checkpointing keeps
         self.writes: dict[int, list[int]] = {}  # uid -> indices of in-place writes to it
@@ -292,6 +299,8 @@ class _Index:
                 self.dropped[ev[1]] = i
             elif kind == GRAD:
                 self.grads.append((i, ev[1]))
+            elif kind == SYNC:
+                self.sync.append((i, ev[1]))
             elif kind == ENTER:
                 self.enter[ev[1]] = (i, ev[2])
             elif kind == EXIT:

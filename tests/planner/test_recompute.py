@@ -136,7 +136,10 @@ def test_the_planner_composes_what_it_used_to_run(tiny_config, tmp_path, monkeyp
     assert set(run) == set(composed)
     for name, r in run.items():
         c = composed[name]
-        assert abs(c.allocated - r.allocated) <= SLACK, name
+        # A composed ZeRO-2 or FSDP row's peak comes from its sharding's bytes at each sync point, which a run
+        # choice's step has not got (tests/planner/test_sync_points.py checks them against their own steps).
+        sharded = c.plan.sharding in ("zero2", "fsdp") and c.plan.accumulative_counts == 1
+        assert abs(c.allocated - r.allocated) <= (r.allocated * 0.001 if sharded else SLACK), name
         # Reserved comes from two simulated steps of each (composed from the timeline, or the run's own calls):
         # retroactive inputs enter the allocator at another point, and small blocks may tie otherwise.
         assert abs(c.peak_bytes - r.peak_bytes) <= SMALL_SEGMENT, name

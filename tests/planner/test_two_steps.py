@@ -136,10 +136,11 @@ def test_an_fsdp_rows_rounding_is_its_sharding_steps():
     assert abs(row.allocated - own.allocated) <= 1024
 
 
-# (row, reserved within this of its own fake step's): ZeRO-2's streams leave it +6.7% (its slack from the reference
-# activations' steps)
-SHARDED = [("bf16 ac:blocks fsdp mb16x1", 0.05), ("bf16 ac:blocks zero2 mb16x1", 0.07),
-           ("bf16 ac:blocks zero2 offload:optimizer mb16x1", 0.05)]
+# (row, reserved within this of its own fake step's): over, on the safe side. A row adds its sharding step's
+# segments on the all-gather and reduce-scatter streams to the free space its activations leave on a single device,
+# which is more than they leave beside a sharding's buffers (these rows: 29 MiB on one device, 13 MiB beside FSDP's).
+SHARDED = [("bf16 ac:blocks fsdp mb16x1", 0.08), ("bf16 ac:blocks zero2 mb16x1", 0.13),
+           ("bf16 ac:blocks zero2 offload:optimizer mb16x1", 0.15)]
 
 
 @pytest.fixture(scope="module")
@@ -153,9 +154,10 @@ def test_a_sharded_checkpointed_row_holds_its_shards_of_the_gradients(sharded_ro
     """Under FSDP and ZeRO-2 each rank keeps its shard of the gradients backward makes: a checkpointed row's
     activations, whose single-device peak falls late in backward beside most of the whole gradients, add a rank's
     share of those. A ZeRO-2 row with its optimizer offloaded takes its slack from its sharding's step with the
-    offload. 4 fake ranks; before, these rows allocated +8.5%, +3.2% and +3.9% of their own fake steps and
-    reserved +8.0%, +10.1% and +7.9% (Swin-L at 8 ranks, benchmarks/composed_rows.py: +25% .. +47% allocated)."""
+    offload. 4 fake ranks; before, these rows allocated +8.5%, +3.2% and +3.9% of their own fake steps (Swin-L at
+    8 ranks, benchmarks/composed_rows.py: +25% .. +47% allocated); now +0.4%, +0.4% and +0.7% (the sharding's
+    bytes at each sync point, tests/planner/test_sync_points.py)."""
     row, own = sharded_rows[words]
     assert row.source == "composed"
-    assert row.allocated == pytest.approx(own.allocated, rel=0.04), words
+    assert row.allocated == pytest.approx(own.allocated, rel=0.01), words
     assert -0.03 <= row.reserved / own.reserved - 1 <= reserved, words

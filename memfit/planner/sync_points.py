@@ -1,0 +1,212 @@
+"""Where a sharded step's own buffers are, step by step: the tracked bytes at the same points of two recordings.
+
+FSDP and ZeRO-2 hold buffers of their own beside a forward/backward's activations (gathered parameters, unsharded
+gradients waiting for their reduce-scatter, its input and output), and they change where the sharded units'
+hooks run: around each unit's forward and backward. A checkpointed step's peak falls elsewhere than the
+reference step's (late in a unit's backward, during its recomputation), beside other buffers. So the planner
+takes the sharding's bytes at each point of the step, not only at the reference's peak.
+
+The points are module calls' hooks (the region calls' and those of every module holding parameters), the same in
+every recording of one model: each call's forward begins and ends, and its backward begins (its outputs'
+gradients are made) and ends (its inputs' are). A sharded full
+step records its tracked total at each point and its largest total between them (:class:`SyncRecorder`); a
+single-device recording has the same points among its events (:mod:`memfit.planner.timeline`), which a
+composition turns into the same figures (:mod:`memfit.planner.recompute`). :func:`sharded_peak` puts them
+together: a row's composed forward/backward plus, between each two points, what the sharded step held there
+beyond the single-device reference step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+ENTER, EXIT, BACKWARD, BACKWARD_END = range(4)  # a call's forward begins, ends; its backward begins, ends
+
+
+@dataclass(frozen=True)
+class SyncProfile:
+    """Tracked bytes along one forward/backward: ``kinds`` of its points in order, ``start`` the total where it
+    began, ``at`` the total at each point, ``peaks`` the largest total before the first point, between each two,
+    and after the last (one more than the points); a recorded step's ``late``: for each of those stretches,
+    whether its largest total came in the second half of its operators (a composition's: none)."""
+
+    kinds: tuple[int, ...]
+    start: int
+    at: tuple[int, ...]
+    peaks: tuple[int, ...]
+    late: tuple[bool, ...] = ()
+
+    def shifted(self, nbytes: int) -> SyncProfile:
+        """The same with ``nbytes`` more held throughout."""
+        return SyncProfile(self.kinds, self.start + nbytes, tuple(a + nbytes for a in self.at),
+                           tuple(p + nbytes for p in self.peaks), self.late)
+
+
+def install_hooks(model: nn.Module, regions: dict[str, nn.Module], point: Callable[[int], None]) -> list[Any]:
+    """Hooks that call ``point(kind)`` at each point (see the module docstring) of ``regions`` and of ``model``'s
+    modules that hold parameters (a point every few operators: a sharding's hooks run around those, and what
+    they hold changes little between two points); their handles. They hold no tensor and change no autograd
+    graph (hooks on tensors that require grad)."""
+
+    def grads(kind: int, tensors: Any) -> None:
+        # One hook per tensor, its points in one order: a module's output is often the next one's input, and a
+        # sharding's hooks may put a tensor of their own between the two (FSDP2 does, before each unit's input).
+        for t in _tensors(tensors):
+            if t.requires_grad and t.grad_fn is not None:
+                kinds = getattr(t, "_memfit_sync_points", None)
+                if kinds is None:
+                    kinds = t._memfit_sync_points = []
+                    t.register_hook(partial(_points, point, kinds))
+                kinds.append(kind)
+
+    # A checkpointed call's forward runs again inside backward: not a point (a recording without checkpointing
+    # has none there), and its outputs are not the ones backward goes through.
+    def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
+        if torch._C._current_graph_task_id() == -1:
+            point(ENTER)
+            grads(BACKWARD_END, (args, kwargs))
+
+    def post(module: nn.Module, args: Any, output: Any) -> None:
+        if torch._C._current_graph_task_id() == -1:
+            point(EXIT)
+            grads(BACKWARD, output)
+
+    handles = []
+    ids = {id(m) for m in regions.values()}
+    modules = [*regions.values(), *(m for m in model.modules() if id(m) not in ids and
+                                     next(m.parameters(recurse=False), None) is not None)]
+    for module in modules:
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(module.register_forward_hook(post))
+    return handles
+
+
+def _points(point: Callable[[int], None], kinds: list[int], grad: Any) -> None:
+    for k in sorted(kinds, reverse=True):  # a later module's backward ends before an earlier one's begins
+        point(k)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    return []
+
+
+class SyncRecorder:
+    """Records a full step's :class:`SyncProfile` over its first forward/backward (until its optimizer steps).
+    Given to the tracker's live storages as their ``timeline`` (it is told of each allocation); ``mode``: those
+    live storages, set before entering."""
+
+    def __init__(self, model: nn.Module, regions: dict[str, nn.Module]) -> None:
+        self.model, self.regions = model, regions
+        self.mode: Any = None
+        self.kinds: list[int] = []
+        self.start = 0
+        self.at: list[int] = []
+        self.peaks: list[int] = []
+        self.late: list[bool] = []
+        self._ops = self._peak_op = 0  # operators in the current stretch; of them, where its peak was
+        self._handles: list[Any] = []
+        self._open = False
+
+    def point(self, kind: int) -> None:
+        if self._open:
+            total = self.mode.total
+            self._seen(total)
+            self.late.append(2 * self._peak_op > self._ops)
+            self.kinds.append(kind)
+            self.at.append(total)
+            self.peaks.append(total)
+            self._ops = self._peak_op = 0
+
+    def _seen(self, total: int) -> None:
+        if self._open and total > self.peaks[-1]:
+            self.peaks[-1] = total
+            self._peak_op = self._ops
+
+    # -- the live storages' calls ---------------------------------------------------------------------------
+    def alloc(self, key: int, nbytes: int, retroactive: bool, stream: Any = 0) -> None:
+        if self._open and retroactive:  # alive since before the step: at every point so far too
+            self.start += nbytes
+            self.at = [a + nbytes for a in self.at]
+            self.peaks = [p + nbytes for p in self.peaks]
+
+    def free(self, key: int) -> None:
+        pass
+
+    def gradient(self, key: int) -> None:
+        pass
+
+    def scratch(self, sizes: tuple[int, ...]) -> None:
+        self._seen(self.mode.total + sum(sizes))  # blocks the operator just counted held beside its outputs
+
+    def observe(self, counter: Any) -> Any:
+        """``counter`` as an observer that also takes the total after each operator."""
+
+        def observer(func: Any, args: Any, kwargs: Any, out: Any) -> None:
+            counter(func, args, kwargs, out)
+            self._ops += 1
+            self._seen(self.mode.total)
+
+        return observer
+
+    def _close(self, *args: Any) -> None:
+        if self._open:
+            self._seen(self.mode.total)
+            self.late.append(2 * self._peak_op > self._ops)
+            self._open = False
+
+    def __enter__(self) -> SyncRecorder:
+        self._open = True
+        self.start = self.mode.total
+        self.peaks = [self.start]
+        self.mode.timeline = self
+        self._handles = install_hooks(self.model, self.regions, self.point)
+        self._handles.append(register_optimizer_step_pre_hook(self._close))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._close()
+        for h in self._handles:
+            h.remove()
+        self.mode.timeline = None
+
+    @property
+    def profile(self) -> SyncProfile:
+        return SyncProfile(tuple(self.kinds), self.start, tuple(self.at), tuple(self.peaks), tuple(self.late))
+
+
+def sharded_peak(shard: SyncProfile | None, ref: SyncProfile | None, row: SyncProfile | None) -> int | None:
+    """The peak of a row's forward/backward under a sharding, in ``shard``'s terms, or None where the three do
+    not have the same points. ``row``: the row's composed single-device forward/backward; ``shard``: the
+    sharding's step of the reference activations; ``ref``: those activations on a single device.
+
+    Between two points the row holds its own peak plus what ``shard`` held beyond ``ref`` at either end (the
+    sharding's hooks run at the points: which end, is not known). Where the sharding's step rises higher than
+    that, its own buffers peaked in the stretch (an all-gather's, a reduce-scatter's): at its peak, the
+    activations are as they were at the end of the stretch nearer to it in the sharding's operators (its hooks
+    run there), so the row holds its own bytes there plus the sharding's step's peak less the reference's."""
+    if shard is None or ref is None or row is None or not (shard.kinds == ref.kinds == row.kinds) or \
+            len(shard.late) != len(shard.peaks):
+        return None
+    s_ends, r_ends, w_ends = (shard.start, *shard.at), (ref.start, *ref.at), (row.start, *row.at)
+    peak = 0
+    for j, (s_peak, r_peak, w_peak) in enumerate(zip(shard.peaks, ref.peaks, row.peaks)):
+        ends = (j, min(j + 1, len(s_ends) - 1))
+        extra = max(s_ends[e] - r_ends[e] for e in ends)
+        peak = max(peak, w_peak + extra)
+        if s_peak > r_peak + extra:
+            e = ends[shard.late[j]]
+            peak = max(peak, w_ends[e] + s_peak - r_ends[e])
+    return peak
