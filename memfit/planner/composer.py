@@ -267,14 +267,23 @@ class Composer:
     def _sharded_peak(self, plan: Plan, ref: Plan, shard: StepMeasurement, mb: int) -> int | None:
         """The peak of ``plan``'s forward/backward under its sharding (``shard``: the sharding's step of the
         reference activations at micro-batch ``mb``), from the sharding's bytes at each sync point of the step
-        (:func:`~memfit.planner.sync_points.sharded_peak`); None where a step has no sync points."""
+        (:func:`~memfit.planner.sync_points.sharded_peak`): of each micro-step where the step accumulates (the first
+        keeps its unsharded gradients; the last holds them from its start and reduce-scatters them), else of its one
+        forward/backward; None where a step has no sync points."""
         if shard.sync is None or not self._composes(plan.activation_checkpointing) or \
                 not self._composes(ref.activation_checkpointing):
             return None
-        ref_sync, row_sync = self._act(ref, mb).sync, self._act(plan, mb).sync
-        if row_sync is not None and row_sync == ref_sync:  # the row's activations are the sharding step's own
-            return shard.forward_backward.peak
-        return sharded_peak(shard.sync, ref_sync, row_sync)
+        ref_sync, row_sync = self._act(ref, mb).sync, self._act(plan, plan.micro_batch).sync
+        if ref_sync is None or row_sync is None:
+            return None
+        steps = shard.sync.micro_steps()
+        if len(steps) == 1:
+            if row_sync == ref_sync:  # the row's activations are the sharding step's own
+                return shard.forward_backward.peak
+            return sharded_peak(steps[0], ref_sync, row_sync)
+        first = sharded_peak(steps[0], ref_sync, row_sync)
+        later = sharded_peak(steps[-1], ref_sync.later, row_sync.later)
+        return None if first is None or later is None else max(first, later)
 
     def __call__(self, plan: Plan) -> PlanResult:
         ref = self._ref(plan)
@@ -292,12 +301,12 @@ class Composer:
         # runs with the offload, whose buffers' slack differs (ViT-B at 8 ranks, benchmarks/composed_rows.py: its
         # rows reserved -5.3% .. -2.2% of their own fake steps from the step without it, now -3.4% .. +1.8%).
         offload = "none" if plan.offload == "optimizer" and plan.sharding != "zero2" else plan.offload
-        # A ZeRO-2 or FSDP step that does not accumulate records its sync points (memfit.planner.sync_points).
+        # A ZeRO-2 or FSDP step records its sync points (memfit.planner.sync_points).
         sync = self.record if plan.sharding in ("zero2", "fsdp") and self.recorded else None
         shards = {(mb, k): self.runs.run(("shard", plan.sharding, offload, plan.channels_last, plan.fused_optimizer,
                                           mb, k), replace(ref, sharding=plan.sharding, offload=offload, micro_batch=mb,
                                                           accumulative_counts=k), full=True, steps=1,
-                                         record=sync if k == 1 else None)
+                                         record=sync)
                   for mb, k in anchors}
         nearest = min(anchors, key=lambda a: abs(a[0] - plan.micro_batch))  # whose step rounds as the plan's would
         results = []
@@ -305,7 +314,10 @@ class Composer:
             shard = shards[(mb, k)]
             ref_peak, ref_without_grads = self._line(ref, mb)[:2]
             fb_delta, fb_grads = peak - ref_peak, 0
-            if accumulates and k == 1:
+            at = self._sharded_peak(plan, ref, shard, mb) if plan.sharding in ("zero2", "fsdp") else None
+            if at is not None:
+                fb_delta = at - shard.forward_backward.peak
+            elif accumulates and k == 1:
                 # DDP and ZeRO-1 accumulate into whole gradients that stay through every later micro-step: beside
                 # them, the peak of all its forward/backward holds but its own gradients (those accumulate in
                 # place), wherever in backward that falls (checkpointing moves it). The reference step's
@@ -319,8 +331,6 @@ class Composer:
                 fb_delta = without_grads - ref_without_grads
             elif accumulates:
                 fb_delta = self._at_reduce_scatter(shard, mb, plan.micro_batch, without_grads, ref_without_grads)
-            elif plan.sharding in ("zero2", "fsdp") and (at := self._sharded_peak(plan, ref, shard, mb)) is not None:
-                fb_delta = at - shard.forward_backward.peak
             elif plan.sharding in ("zero2", "fsdp"):
                 # Their gradients are reduce-scattered as backward makes them, each rank keeping its shard: of the
                 # whole gradients a single device holds at its peak (a checkpointed step's is late in backward,

@@ -201,12 +201,15 @@ def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int
     first = len(allocator.trace) if allocator is not None else 0
     sizes: dict[Any, int] = {}
     kinds: list[int] = []
-    start, at, peaks = tl.start, [], [tl.start]  # the sync points' figures (SyncProfile)
+    # The sync points' figures (SyncProfile), and without the gradients (those of a later micro-step)
+    start, at, peaks, at_ng, peaks_ng = tl.start, [], [tl.start], [], [tl.start]
     for _, _, _, is_alloc, key, n, retro in items:
         if is_alloc == "sync":
             kinds.append(key)
             at.append(total)
             peaks.append(total)
+            at_ng.append(total - grads)
+            peaks_ng.append(total - grads)
         elif is_alloc is None:
             if key in sizes and key not in gradients:
                 gradients.add(key)
@@ -218,8 +221,9 @@ def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int
                 peak, peak_ng = peak + n, peak_ng + n
                 # alive since the start: at every point so far too
                 start, at, peaks = start + n, [a + n for a in at], [p + n for p in peaks]
+                at_ng, peaks_ng = [a + n for a in at_ng], [p + n for p in peaks_ng]
             peak, peak_ng = max(peak, total), max(peak_ng, total - grads)
-            peaks[-1] = max(peaks[-1], total)
+            peaks[-1], peaks_ng[-1] = max(peaks[-1], total), max(peaks_ng[-1], total - grads)
             if allocator is not None:
                 allocator.malloc(("step", key), n, tl.streams.get(key, 0))
         else:
@@ -230,7 +234,11 @@ def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int
                 grads -= freed
             if allocator is not None:
                 allocator.free(("step", key))
-    sync = SyncProfile(tuple(kinds), start, tuple(at), tuple(peaks)) if kinds else None
+    sync = None
+    if kinds:  # a later micro-step holds the whole gradients from its start; its own are added into them
+        later = SyncProfile(tuple(kinds), start + grads, tuple(a + grads for a in at_ng),
+                            tuple(p + grads for p in peaks_ng))
+        sync = SyncProfile(tuple(kinds), start, tuple(at), tuple(peaks), later=later)
     if allocator is None:
         return Composed(peak, flops, ops, written, peak_without_grads=peak_ng, sync=sync)
     requested = 0

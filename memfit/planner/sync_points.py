@@ -28,6 +28,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 ENTER, EXIT, BACKWARD, BACKWARD_END = range(4)  # a call's forward begins, ends; its backward begins, ends
+STEP = 4  # a recorded step's next micro-step begins (its model's forward is called again)
 
 
 @dataclass(frozen=True)
@@ -35,18 +36,32 @@ class SyncProfile:
     """Tracked bytes along one forward/backward: ``kinds`` of its points in order, ``start`` the total where it
     began, ``at`` the total at each point, ``peaks`` the largest total before the first point, between each two,
     and after the last (one more than the points); a recorded step's ``late``: for each of those stretches,
-    whether its largest total came in the second half of its operators (a composition's: none)."""
+    whether its largest total came in the second half of its operators (a composition's: none); a composition's
+    ``later``: the same forward/backward as a later micro-step of gradient accumulation on one device (the whole
+    gradients held from its start, its own added into them)."""
 
     kinds: tuple[int, ...]
     start: int
     at: tuple[int, ...]
     peaks: tuple[int, ...]
     late: tuple[bool, ...] = ()
+    later: SyncProfile | None = None
 
     def shifted(self, nbytes: int) -> SyncProfile:
         """The same with ``nbytes`` more held throughout."""
         return SyncProfile(self.kinds, self.start + nbytes, tuple(a + nbytes for a in self.at),
                            tuple(p + nbytes for p in self.peaks), self.late)
+
+    def micro_steps(self) -> list[SyncProfile]:
+        """A recorded step's profile of each micro-step (split at its STEP points)."""
+        cuts = [i for i, k in enumerate(self.kinds) if k == STEP]
+        out, lo, start = [], 0, self.start
+        for hi in (*cuts, len(self.kinds)):
+            out.append(SyncProfile(self.kinds[lo:hi], start, self.at[lo:hi], self.peaks[lo:hi + 1],
+                                   self.late[lo:hi + 1]))
+            if hi < len(self.kinds):
+                lo, start = hi + 1, self.at[hi]
+        return out
 
 
 def install_hooks(model: nn.Module, regions: dict[str, nn.Module], point: Callable[[int], None]) -> list[Any]:
@@ -117,6 +132,7 @@ class SyncRecorder:
         self.peaks: list[int] = []
         self.late: list[bool] = []
         self._ops = self._peak_op = 0  # operators in the current stretch; of them, where its peak was
+        self._calls = 0  # of the model's forward
         self._handles: list[Any] = []
         self._open = False
 
@@ -161,6 +177,11 @@ class SyncRecorder:
 
         return observer
 
+    def _micro_step(self, *args: Any) -> None:
+        self._calls += 1
+        if self._calls > 1:
+            self.point(STEP)
+
     def _close(self, *args: Any) -> None:
         if self._open:
             self._seen(self.mode.total)
@@ -174,6 +195,7 @@ class SyncRecorder:
         self.mode.timeline = self
         self._handles = install_hooks(self.model, self.regions, self.point)
         self._handles.append(register_optimizer_step_pre_hook(self._close))
+        self._handles.append(self.model.register_forward_pre_hook(self._micro_step))
         return self
 
     def __exit__(self, *exc: Any) -> None:
