@@ -103,8 +103,9 @@ def _data(tmp: str) -> Path:
     return Path(tmp)
 
 
-def measure_one(index: int) -> dict:
-    """Measure case ``index`` on this process's GPU."""
+def measure_one(index: int, bare: int | None = None) -> dict:
+    """Measure case ``index`` on this process's GPU (``bare``: what the device held before this process's first
+    case, where it ran others before)."""
     import torch
 
     from memfit.planner.bench import measure_plan
@@ -112,7 +113,7 @@ def measure_one(index: int) -> dict:
     name, spec, options, words = CASES[index]
     torch.zeros(1, device="cuda")
     free, total = torch.cuda.mem_get_info()
-    bare = total - free
+    bare = total - free if bare is None else bare
     a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
     before = torch.cuda.memory_allocated()
     c = a @ a
@@ -130,6 +131,35 @@ def measure_one(index: int) -> dict:
             "context_bare": bare, "cublas_workspace": workspace, "seconds": m.seconds,
             "times": m.times, "host_times": m.host_times, "profile": m.profile, "breakdown": m.breakdown,
             "torch": torch.__version__}
+
+
+def measure_several(indices: list[int]) -> None:
+    """Measure the cases ``indices`` one after another in this process, each from an empty caching allocator (its
+    segments released, the cuBLAS workspaces dropped, the peaks reset: as a fresh process starts), printing one JSON
+    line per case (``{"case": ..., "error": ...}`` for one that failed)."""
+    import gc
+    import time as clock
+    import traceback
+
+    import torch
+    from allocator_recording import clear_cublas_workspaces
+
+    torch.zeros(1, device="cuda")
+    free, total = torch.cuda.mem_get_info()
+    bare = total - free
+    for n, i in enumerate(indices):
+        start = clock.perf_counter()
+        try:
+            r = {**measure_one(i, bare), "process": f"{n + 1} of {len(indices)}"}
+        except Exception:  # noqa: BLE001 - the case's own error, kept; the next case still runs
+            r = {"case": CASES[i][0], "error": traceback.format_exc()[-3000:]}
+        r["case_s"] = round(clock.perf_counter() - start, 1)
+        print(json.dumps(r), flush=True)
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        clear_cublas_workspaces()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def trace_one(index: int, out: Path, frames: bool = False) -> dict:
@@ -184,57 +214,35 @@ def trace_one(index: int, out: Path, frames: bool = False) -> dict:
     return {"case": name, "rows": len(rows), "steps": marks}
 
 
-def workspaces() -> dict:
-    """Bytes the first call of each kernel family leaves allocated beyond its output (cuBLAS/cuBLASLt
-    workspaces, cuDNN's), each in a fresh allocator state of this process, in call order."""
-    import torch
-    import torch.nn.functional as F
-
-    def x(*shape: int, dtype: torch.dtype = torch.float32, grad: bool = False) -> torch.Tensor:
-        return torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=grad)
-
-    calls = {
-        "mm fp32": lambda: x(512, 512) @ x(512, 512),
-        "linear+bias fp32": lambda: F.linear(x(512, 512), x(512, 512), x(512)),
-        "mm bf16": lambda: x(512, 512, dtype=torch.bfloat16) @ x(512, 512, dtype=torch.bfloat16),
-        "linear+bias bf16": lambda: F.linear(*(x(*s, dtype=torch.bfloat16) for s in ((512, 512), (512, 512), (512,)))),
-        "linear fp16 backward": lambda: F.linear(x(512, 512, dtype=torch.half, grad=True),
-                                                 x(512, 512, dtype=torch.half, grad=True)).sum().backward(),
-        "bmm bf16": lambda: torch.bmm(x(8, 256, 64, dtype=torch.bfloat16), x(8, 64, 256, dtype=torch.bfloat16)),
-        "sdpa bf16 backward": lambda: F.scaled_dot_product_attention(
-            *(x(4, 8, 256, 64, dtype=torch.bfloat16, grad=True) for _ in range(3))).sum().backward(),
-        "conv fp32 backward": lambda: F.conv2d(x(8, 64, 56, 56, grad=True), x(64, 64, 3, 3, grad=True),
-                                               padding=1).sum().backward(),
-        "conv bf16 backward": lambda: F.conv2d(x(8, 64, 56, 56, dtype=torch.bfloat16, grad=True),
-                                               x(64, 64, 3, 3, dtype=torch.bfloat16, grad=True),
-                                               padding=1).sum().backward(),
-    }
-    out = {}
-    for name, call in calls.items():
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        result = call()
-        torch.cuda.synchronize()
-        kept = result.numel() * result.element_size() if isinstance(result, torch.Tensor) else 0
-        out[name] = torch.cuda.memory_allocated() - before - kept
-        del result
-    return out
-
-
-def _child(*args: str) -> subprocess.CompletedProcess:
-    """This script run with ``args`` in a fresh process (an empty caching allocator), within
-    ``MEMFIT_CAL_CASE_S`` seconds (default 240); a run past it comes back as exit status 124."""
+def _child(*args: str, times: int = 1) -> subprocess.CompletedProcess:
+    """This script run with ``args`` in a fresh process (an empty caching allocator), within ``times`` x
+    ``MEMFIT_CAL_CASE_S`` seconds (default 240); a run past it comes back as exit status 124, with what it
+    printed."""
     try:
         return subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
-                              timeout=int(os.environ.get("MEMFIT_CAL_CASE_S", "240")),
+                              timeout=times * int(os.environ.get("MEMFIT_CAL_CASE_S", "240")),
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    except subprocess.TimeoutExpired:
-        return subprocess.CompletedProcess([], 124, "", "timed out")
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        return subprocess.CompletedProcess([], 124, out, "timed out")
 
 
-def measure(out: Path, only: list[int] | None, trace: list[int] | None = None) -> None:
+def case_groups(order: list[int]) -> list[list[int]]:
+    """``order`` cut into runs of consecutive cases of one config (the same model and options), each measured in
+    one process; DINO's cases each alone (the first compiles the Triton kernel, which a later one would not)."""
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and CASES[groups[-1][-1]][1:3] == CASES[i][1:3] and not CASES[i][1].startswith("dino:"):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def measure(out: Path, only: list[int] | None, trace: list[int] | None = None, group: bool = False) -> None:
     """Measure the cases ``only`` (indices, in that order; default all), after recording the allocator traces of
-    the cases ``trace`` (``[]``: the TRACED cases among ``only``; None: none)."""
+    the cases ``trace`` (``[]``: the TRACED cases among ``only``; None: none). ``group``: the cases of one config
+    (the same model, consecutive in ``only``) in one process (:func:`measure_several`), not one process each."""
     out.mkdir(parents=True, exist_ok=True)
     order = only or list(range(len(CASES)))
     if trace is not None:
@@ -243,23 +251,27 @@ def measure(out: Path, only: list[int] | None, trace: list[int] | None = None) -
             print(proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 and proc.stdout.strip() else
                   f"{CASES[i][0]}: trace FAILED rc={proc.returncode}\n{proc.stderr[-3000:]}", flush=True)
     results = []
-    for i in order:
-        case = CASES[i]
+    for indices in case_groups(order) if group else [[i] for i in order]:
         start = time.perf_counter()
-        proc = _child("one", str(i))
-        line = next((x for x in proc.stdout.splitlines()[::-1] if x.startswith("{")), None)
-        if proc.returncode or line is None:
-            print(f"{case[0]}: FAILED rc={proc.returncode}\n{proc.stderr[-3000:]}", flush=True)
-            results.append({"case": case[0], "error": proc.stderr[-3000:]})
-        else:
-            r = {**json.loads(line), "wall_s": round(time.perf_counter() - start, 1)}  # the case's process, whole
+        proc = _child("one", *map(str, indices), times=len(indices))
+        lines = {json.loads(x)["case"]: json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")}
+        for i in indices:
+            case, r = CASES[i], lines.get(CASES[i][0])
+            if r is None or "error" in r:
+                why = r["error"] if r else f"rc={proc.returncode}\n{proc.stderr[-3000:]}"
+                print(f"{case[0]}: FAILED {why}", flush=True)
+                results.append({"case": case[0], "error": why})
+                continue
+            # The case's process, whole; grouped, the case's own seconds (its process's start is the first's)
+            r["wall_s"] = round(time.perf_counter() - start, 1) if len(indices) == 1 else r["case_s"]
             results.append(r)
             print(f"{r['case']}: allocated {r['allocated'] / GIB:.2f} GiB, reserved {r['reserved'] / GIB:.2f} GiB, "
                   f"outside allocator {r['outside_allocator'] / MIB:.0f} MiB "
                   f"(bare context {r['context_bare'] / MIB:.0f}), cuBLAS workspace "
                   f"{r['cublas_workspace'] / MIB:.1f} MiB, step {r['seconds']:.3f} s "
-                  f"(host {statistics.median(r['host_times']):.3f} s) "
-                  f"[{time.perf_counter() - start:.0f} s]", flush=True)
+                  f"(host {statistics.median(r['host_times']):.3f} s) [{r['wall_s']:.0f} s]", flush=True)
+        if len(indices) > 1:
+            print(f"({len(indices)} cases in one process: {time.perf_counter() - start:.0f} s)", flush=True)
         (out / "measured.json").write_text(json.dumps(results, indent=1))
 
 
@@ -338,6 +350,8 @@ def main() -> None:
     m = sub.add_parser("measure", help="on a GPU: measure every case")
     m.add_argument("--out", default="benchmarks/results/gpu_calibration_measured")
     m.add_argument("--only", default="", help="case indices, e.g. 0,3")
+    m.add_argument("--group", action="store_true", help="the cases of one config in one process, each from an "
+                   "empty allocator (several times faster than a process each)")
     m.add_argument("--trace", nargs="?", const="", default=None,
                    help="first record allocator traces: of these case indices, or bare, of the TRACED cases measured")
     t = sub.add_parser("trace")
@@ -346,13 +360,15 @@ def main() -> None:
     t.add_argument("--out", default="benchmarks/results/gpu_calibration_measured")
     sub.add_parser("workspaces", help="on a GPU: what each kernel family's first call keeps allocated")
     one = sub.add_parser("one")
-    one.add_argument("index", type=int)
+    one.add_argument("index", type=int, nargs="+")
     c = sub.add_parser("compare", help="predict each measured case and print both")
     c.add_argument("measured", nargs="?", default=str(HERE / "gpu_calibration_h100.json"))
     c.add_argument("--out", default="benchmarks/results/gpu_calibration")
     c.add_argument("--composed", action="store_true", help="predict every plan of each config, compare its rows")
     args = parser.parse_args()
     if args.cmd == "workspaces":
+        from kernel_workspaces import workspaces
+
         for name, nbytes in workspaces().items():
             print(f"{name}: {nbytes / MIB:.2f} MiB left allocated beyond the output")
     elif args.cmd == "one":
@@ -361,7 +377,10 @@ def main() -> None:
 
         logging.getLogger("memfit").setLevel(logging.ERROR)
         warnings.simplefilter("ignore")
-        print(json.dumps(measure_one(args.index)))
+        if len(args.index) == 1:
+            print(json.dumps(measure_one(args.index[0])))
+        else:
+            measure_several(args.index)
     elif args.cmd == "trace":
         import logging
         import warnings
@@ -371,7 +390,7 @@ def main() -> None:
         print(json.dumps(trace_one(args.index, Path(args.out), args.frames)))
     elif args.cmd == "measure":
         measure(Path(args.out), [int(i) for i in args.only.split(",") if i],
-                None if args.trace is None else [int(i) for i in args.trace.split(",") if i])
+                None if args.trace is None else [int(i) for i in args.trace.split(",") if i], args.group)
     else:
         compare(Path(args.measured), Path(args.out), args.composed)
 

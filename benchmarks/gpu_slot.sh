@@ -5,9 +5,10 @@
 # Stages, in this order, each given what is left of SLOT_S (a stage that would get under 20 s is skipped):
 #   calibrate: this GPU's step-time profile (memfit bench --calibrate; 26 s on an H100);
 #   measure:   gpu_calibration.py's cases CASES (default: ViT-L's eight rows, Swin-L's eight, Swin-B under FSDP and
-#              DeiT-B with its optimizer offloaded: about 380 s), 8 timed steps each, every step's time kept, one
-#              more step profiled (host against device); each case's process takes 17-26 s on an H100 (DINO's rows
-#              27-67 s, the first with the Triton kernel's compilation);
+#              DeiT-B with its optimizer offloaded), 8 timed steps each, every step's time kept, one more step
+#              profiled (host against device); the cases of one config in one process, each from an empty caching
+#              allocator (GROUP=0: a process per case, 17-26 s each on an H100, about 380 s in all; DINO's rows
+#              always alone, 27-67 s, the first with the Triton kernel's compilation);
 #   trace:     the allocator traces of TRACES (default none; DINO's rows 5 and 6 took 48 s together); with FRAMES=1
 #              each allocation of 1 MiB or more keeps its Python frames (which operator made a block);
 #   later:     the cases LATER (default none; e.g. 12,13 for DINO's rows 1 and 2);
@@ -25,6 +26,8 @@ TRACES=${2-}
 LATER=${3-}
 CHECKS=${CHECKS:-}
 SLOT_S=${SLOT_S:-480}
+GROUP=${GROUP-1}
+[ "$GROUP" = 0 ] && GROUP=
 W=$(mktemp -d)
 mkdir -p "$OUT"
 SITE=$PWD
@@ -50,7 +53,7 @@ stage() {
   grep -m1 "model name" /proc/cpuinfo; nproc; date -u; } > "$W/env.txt" 2>&1
 cat "$W/env.txt"
 stage calibrate 60 python3 -m memfit bench --calibrate --out "$W/profile.json"
-stage measure 400 python3 benchmarks/gpu_calibration.py measure --only "$CASES" --out "$W"
+stage measure 400 python3 benchmarks/gpu_calibration.py measure --only "$CASES" --out "$W" ${GROUP:+--group}
 for i in ${TRACES//,/ }; do
   stage "trace_$i" 90 python3 benchmarks/gpu_calibration.py trace "$i" --out "$W" ${FRAMES:+--frames}
 done
