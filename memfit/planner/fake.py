@@ -93,8 +93,8 @@ class StepMeasurement:
     # A forward/backward run on a CUDA target: where its step began in the simulated allocator's calls, and
     # the calls (CachingAllocatorModel.calls), for a replay of two steps (memfit.planner.predict).
     allocator_calls: tuple[int, tuple] | None = None
-    # A full run with ``record`` (or a composed forward/backward): its first forward/backward's tracked bytes at
-    # the region calls' sync points (memfit.planner.sync_points), in its forward/backward phase's terms.
+    # A full run with ``record`` (or a composed forward/backward): its tracked bytes at the sync points of its
+    # micro-steps' forward/backward (memfit.planner.sync_points), in its forward/backward phase's terms.
     sync: Any = None
     # A full run on a CUDA target: what its simulated allocator reserved on the streams its sharding allocates on
     # (FSDP2's all-gathers and reduce-scatters; all but the default stream and the batches' copy stream).
@@ -237,8 +237,8 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
     ``sms`` (SMs, threads per SM: how far kernels split, :mod:`memfit.planner.kernel_scratch`).
     ``record``: a forward/backward run records its timeline (:mod:`memfit.planner.timeline`), with the calls
     of the modules so named as the regions checkpointing choices are composed over; its own figures are then
-    not the step's (the recording keeps no saved tensor): compose them from ``timeline``. A full run records its
-    first forward/backward's :class:`~memfit.planner.sync_points.SyncProfile` over those calls (``sync``).
+    not the step's (the recording keeps no saved tensor): compose them from ``timeline``. A full run records the
+    :class:`~memfit.planner.sync_points.SyncProfile` of its micro-steps' forward/backward (``sync``).
     """
     import time
 

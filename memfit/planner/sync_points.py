@@ -7,12 +7,12 @@ reference step's (late in a unit's backward, during its recomputation), beside o
 takes the sharding's bytes at each point of the step, not only at the reference's peak.
 
 The points are module calls' hooks (the region calls' and those of every module holding parameters), the same in
-every recording of one model: each call's forward begins and ends, and its backward begins (its outputs'
-gradients are made) and ends (its inputs' are). A sharded full
-step records its tracked total at each point and its largest total between them (:class:`SyncRecorder`); a
-single-device recording has the same points among its events (:mod:`memfit.planner.timeline`), which a
-composition turns into the same figures (:mod:`memfit.planner.recompute`). :func:`sharded_peak` puts them
-together: a row's composed forward/backward plus, between each two points, what the sharded step held there
+every recording of one model: each call's forward begins and ends, and its backward begins (its outputs' gradients
+are made) and ends (its inputs' are). A sharded full step records its tracked total at each point and its largest
+total between them, each micro-step's where it accumulates (:class:`SyncRecorder`); a single-device recording has
+the same points among its events (:mod:`memfit.planner.timeline`), which a composition turns into the same
+figures, also as a later micro-step would hold them (:mod:`memfit.planner.recompute`). :func:`sharded_peak` puts
+them together: a row's composed forward/backward plus, between each two points, what the sharded step held there
 beyond the single-device reference step.
 """
 
@@ -119,9 +119,9 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 
 class SyncRecorder:
-    """Records a full step's :class:`SyncProfile` over its first forward/backward (until its optimizer steps).
-    Given to the tracker's live storages as their ``timeline`` (it is told of each allocation); ``mode``: those
-    live storages, set before entering."""
+    """Records a full step's :class:`SyncProfile` over its micro-steps' forward/backward, until its optimizer steps
+    (a STEP point where a micro-step after the first begins). Given to the tracker's live storages as their
+    ``timeline`` (it is told of each allocation); ``mode``: those live storages, set before entering."""
 
     def __init__(self, model: nn.Module, regions: dict[str, nn.Module]) -> None:
         self.model, self.regions = model, regions

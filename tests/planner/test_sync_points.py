@@ -16,7 +16,7 @@ from memfit.planner.devices import gpu
 from memfit.planner.fake import build_meta_model
 from memfit.planner.predict import predict
 from memfit.planner.space import ModelFacts
-from memfit.planner.sync_points import BACKWARD, ENTER, EXIT, SyncProfile, sharded_peak
+from memfit.planner.sync_points import BACKWARD, ENTER, EXIT, STEP, SyncProfile, sharded_peak
 
 MiB = 2**20
 
@@ -49,6 +49,16 @@ def test_steps_with_other_points_are_not_combined():
     ref, row = _profile((1, 2), (1, 2, 2)), _profile((1, 2), (1, 2, 2))
     assert sharded_peak(_profile((1,), (1, 1), (False, False)), ref, row) is None
     assert sharded_peak(None, ref, row) is None
+
+
+def test_a_step_that_accumulates_is_split_at_its_micro_steps():
+    p = SyncProfile((ENTER, EXIT, STEP, ENTER, EXIT), 10, (11, 12, 13, 14, 15), (10, 11, 12, 13, 14, 15),
+                    (False, True, False, False, True, False))
+    first, later = p.micro_steps()
+    assert (first.kinds, first.start, first.at, first.peaks, first.late) == \
+        ((ENTER, EXIT), 10, (11, 12), (10, 11, 12), (False, True, False))
+    assert (later.kinds, later.start, later.at, later.peaks, later.late) == \
+        ((ENTER, EXIT), 13, (14, 15), (13, 14, 15), (False, True, False))
 
 
 class _Block(nn.Module):
