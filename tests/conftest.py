@@ -8,6 +8,16 @@ import shutil
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Inductor's on-disk cache does not tell kernels built under a forced ATEN_CPU_CAPABILITY (avx2, to time an AVX2
+# laptop's path on an AVX-512 CPU) from the CPU's own: loaded into the other, they gave NaN losses or crashed the
+# process (torch 2.14.1). Each forced capability gets a cache of its own; a real AVX2 machine needs none.
+if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import getpass
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ['ATEN_CPU_CAPABILITY']}")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
