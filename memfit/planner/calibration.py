@@ -14,6 +14,7 @@ median of its repeats, the device synchronized around each. FLOPs are counted wi
 - elementwise operators and layer_norm on large tensors: the ``2 x bytes written / mem_bw`` term's
   seconds over the measured ones;
 - many tiny operators in a loop, without and with autograd: host microseconds per dispatched operator;
+- a small ViT's forward and backward at batch 2 (host-bound on a GPU): its host cost per operator over that;
 - pinned host<->device copies: GB/s over the table's ``host_bw``;
 - AdamW (foreach and fused) over ViT-B's parameter tensors at two sizes: passes over the state and the
   fixed cost per operator the fake step counts;
@@ -34,62 +35,19 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from memfit.planner.calibration_optimizer import host_step, optimizer
+from memfit.planner.calibration_timing import Bench, DispatchCounter, rounded
 from memfit.planner.cost import (
     FSDP_TENSOR_US,
     HOST_STEP_BYTES_PER_S,
     SELECTIVE_OP_US,
-    ModelState,
     lever_factor,
-    optimizer_pass_seconds,
 )
 from memfit.planner.devices import Device, current_cuda, table_entry, this_cpu
 from memfit.planner.time_profile import DEFAULT, FORMAT
 
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class _Counter(TorchDispatchMode):
-    """Counts dispatched operators, as the fake step's counter does (views included)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
-class _Bench:
-    """Timing on one device: ``seconds(fn)`` is the median of ``repeats`` calls after ``warmup``."""
-
-    def __init__(self, device: str, quick: bool) -> None:
-        self.device, self.quick = torch.device(device), quick
-        self.cuda = self.device.type == "cuda"
-        if self.cuda and self.device.index is None:  # set_device and the properties need an index
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self.repeats, self.warmup = (3, 1) if quick else (7, 2)
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def seconds(self, fn: Callable[[], Any], repeats: int | None = None) -> float:
-        for _ in range(self.warmup):
-            fn()
-        times = []
-        for _ in range(repeats or self.repeats):
-            self.sync()
-            start = time.perf_counter()
-            fn()
-            self.sync()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    def randn(self, *shape: int, dtype: torch.dtype = torch.float32, grad: bool = False) -> torch.Tensor:
-        return torch.randn(*shape, device=self.device, dtype=dtype).requires_grad_(grad)
 
 
 @contextmanager
@@ -105,11 +63,6 @@ def _tf32(matmul: bool, conv: bool = True) -> Iterator[None]:
          torch.backends.cudnn.benchmark) = saved
 
 
-def _r(x: float) -> float:
-    """Four significant digits: a factor, not noise."""
-    return float(f"{x:.4g}")
-
-
 def _flops(fn: Callable[[], Any]) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -118,14 +71,14 @@ def _flops(fn: Callable[[], Any]) -> int:
     return counter.get_total_flops()
 
 
-def _rate(b: _Bench, cases: list[Callable[[], Any]]) -> tuple[float, list[float]]:
+def _rate(b: Bench, cases: list[Callable[[], Any]]) -> tuple[float, list[float]]:
     """Achieved TFLOP/s over all ``cases`` together (the big ones weigh most, as in a step) and each one's."""
     flops = [_flops(fn) for fn in cases]
     secs = [b.seconds(fn) for fn in cases]
-    return sum(flops) / sum(secs) / 1e12, [_r(f / s / 1e12) for f, s in zip(flops, secs)]
+    return sum(flops) / sum(secs) / 1e12, [rounded(f / s / 1e12) for f, s in zip(flops, secs)]
 
 
-def matmuls(b: _Bench, dtype: str) -> tuple[float, list[float]]:
+def matmuls(b: Bench, dtype: str) -> tuple[float, list[float]]:
     """A linear layer's three matmuls (forward, input gradient, weight gradient) over training-like shapes."""
     sizes = [(256, 128, 256)] if b.quick else [(m, k, n) for m in (8192, 32768) for k, n in
                                                ((1024, 4096), (4096, 1024), (4096, 4096))]
@@ -137,7 +90,7 @@ def matmuls(b: _Bench, dtype: str) -> tuple[float, list[float]]:
         return _rate(b, cases)
 
 
-def convolutions(b: _Bench, dtype: str, channels_last: bool) -> tuple[float, list[float]]:
+def convolutions(b: Bench, dtype: str, channels_last: bool) -> tuple[float, list[float]]:
     """ResNet-like 3x3 and 1x1 convolutions, forward and backward (input and weight gradients)."""
     sizes = [(2, 8, 8, 8, 3), (2, 16, 8, 8, 1)] if b.quick else [
         (64, 64, 64, 56, 3), (64, 128, 128, 28, 3), (64, 256, 64, 56, 1), (64, 64, 256, 56, 1),
@@ -153,7 +106,7 @@ def convolutions(b: _Bench, dtype: str, channels_last: bool) -> tuple[float, lis
         return _rate(b, cases)
 
 
-def attention(b: _Bench, dtype: str) -> tuple[float, list[float]]:
+def attention(b: Bench, dtype: str) -> tuple[float, list[float]]:
     """``scaled_dot_product_attention`` forward and backward, ViT-like (batch x heads, tokens, head dim 64)."""
     sizes = [(2, 2, 16, 8)] if b.quick else [(64, 12, 197, 64), (16, 16, 1024, 64), (2, 16, 4096, 64)]
     cases = []
@@ -166,7 +119,7 @@ def attention(b: _Bench, dtype: str) -> tuple[float, list[float]]:
         return _rate(b, cases)
 
 
-def memory_bound(b: _Bench, ref: Device) -> dict[str, float]:
+def memory_bound(b: Bench, ref: Device) -> dict[str, float]:
     """The model's ``2 x bytes written / mem_bw`` seconds over the measured ones, per operator and dtype."""
     n = 2**16 if b.quick else 2**26
     out = {}
@@ -176,11 +129,11 @@ def memory_bound(b: _Bench, ref: Device) -> dict[str, float]:
         for name, fn in (("add", lambda x=x, y=y: x + y), ("mul", lambda x=x: x * 1.5), ("gelu", lambda x=x: F.gelu(x)),
                          ("layer_norm", lambda r=rows: F.layer_norm(r, (1024,)))):
             modelled = 2 * x.numel() * x.element_size() / (ref.mem_bw * 1e9)
-            out[f"{name}_{dtype}"] = _r(modelled / b.seconds(fn))
+            out[f"{name}_{dtype}"] = rounded(modelled / b.seconds(fn))
     return out
 
 
-def launches(b: _Bench) -> dict[str, float]:
+def launches(b: Bench) -> dict[str, float]:
     """Host microseconds per dispatched operator: a loop of tiny operators, forward only and with autograd."""
     iters = 20 if b.quick else 200
 
@@ -194,13 +147,34 @@ def launches(b: _Bench) -> dict[str, float]:
     cases = {"forward": lambda: chain(x), "autograd": lambda: chain(xg).sum().backward()}
     out = {}
     for name, fn in cases.items():
-        with _Counter() as counter:
+        with DispatchCounter() as counter:
             fn()
-        out[name] = _r(b.seconds(fn) / counter.ops * 1e6)
+        out[name] = rounded(b.seconds(fn) / counter.ops * 1e6)
     return out
 
 
-def host_copies(b: _Bench) -> dict[str, float] | None:
+def model_host(b: Bench, launch_us: float) -> dict[str, float]:
+    """A small ViT's forward and backward (timm's, under bf16 autocast on a GPU) at batch 2, where the host's time
+    is the step's: host microseconds per operator as the fake step counts them, and their ratio to ``launch_us``
+    (the profile's ``host_op_factor``: module code, hooks and autocast's casts beyond a bare operator's cost)."""
+    import timm
+
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, num_classes=4,
+                              depth=2 if b.quick else 6).to(b.device)
+    x, y = b.randn(2, 3, 32, 32), torch.tensor([0, 1], device=b.device)
+
+    def step() -> None:
+        with torch.autocast(b.device.type, dtype=torch.bfloat16, enabled=b.cuda):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+
+    with DispatchCounter() as counter:
+        step()
+    op_us = b.seconds(step) / counter.ops * 1e6
+    return {"ops": counter.ops, "op_us": rounded(op_us), "factor": rounded(op_us / launch_us)}
+
+
+def host_copies(b: Bench) -> dict[str, float] | None:
     """Pinned host<->device copy GB/s (None on a CPU)."""
     if not b.cuda:
         return None
@@ -212,7 +186,7 @@ def host_copies(b: _Bench) -> dict[str, float] | None:
             "d2h": round(bytes_ / b.seconds(lambda: host.copy_(dev, non_blocking=True)) / 1e9, 2)}
 
 
-def selective(b: _Bench) -> dict[str, float]:
+def selective(b: Bench) -> dict[str, float]:
     """Selective checkpointing's host cost per operator its recomputation runs, beyond plain checkpointing's (which
     the model counts as recomputed operators): eight small blocks checkpointed with memfit's policy against the
     same blocks checkpointed without it, forward and backward, at a size where the host's time is the step's."""
@@ -242,70 +216,14 @@ def selective(b: _Bench) -> dict[str, float]:
 
     ops = {}
     for kind in ("plain", "selective"):
-        with _Counter() as counter:
+        with DispatchCounter() as counter:
             step(kind)()
         ops[kind] = counter.ops
     checkpointed, sel = b.seconds(step("checkpointed")), b.seconds(step("selective"))
     recomputed = max(ops["selective"] - ops["plain"], 1)
     per_op = max(0.0, (sel - checkpointed) / recomputed * 1e6)
-    return {"checkpointed_s": _r(checkpointed), "selective_s": _r(sel), "recomputed_ops": recomputed,
-            "op_us": _r(per_op)}
-
-
-# ViT-B/16's parameter tensors (numel), 152 of them, 86.6M: patch embedding, class token, position embedding,
-# 12 blocks of (norm, qkv, proj, norm, fc1, fc2), the final norm and the head.
-VIT_B = ([768 * 3 * 16 * 16, 768, 768, 197 * 768]
-         + 12 * [768, 768, 2304 * 768, 2304, 768 * 768, 768, 768, 768, 3072 * 768, 3072, 768 * 3072, 768]
-         + [768, 768, 1000 * 768, 1000])
-
-
-def _with_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``params``, each given a random gradient of its own shape."""
-    for p in params:
-        p.grad = torch.randn_like(p)
-    return params
-
-
-def optimizer(b: _Bench, ref: Device) -> dict[str, float]:
-    """AdamW's step, foreach and fused, over ViT-B's tensors at full and 1/16 size: seconds = passes x one pass
-    (:func:`memfit.planner.cost.optimizer_pass_seconds`) + operators (as the fake step counts them) x op_us."""
-    scales = (1 / 1024, 1 / 16384) if b.quick else (1.0, 1 / 16)
-    out: dict[str, float] = {}
-    for variant in ("foreach", "fused"):
-        points = []
-        for scale in scales:
-            params = _with_grads([b.randn(max(int(n * scale), 1), grad=True) for n in VIT_B])
-            opt = torch.optim.AdamW(params, lr=1e-4, **{variant: True})
-            seconds = b.seconds(opt.step)
-            nbytes = sum(p.numel() for p in params) * 4
-            points.append((optimizer_pass_seconds(ModelState(nbytes, nbytes, 2 * nbytes), ref), seconds))
-        # the fake step's count: CPU, foreach forced
-        cpu = _with_grads([torch.randn(1, requires_grad=True) for _ in VIT_B])
-        opt = torch.optim.AdamW(cpu, lr=1e-4, **{variant: True})
-        opt.step()
-        with _Counter() as counter:
-            opt.step()
-        (big_pass, big), (small_pass, small) = points
-        passes = (big - small) / (big_pass - small_pass)
-        if passes <= 0:  # noise at tiny sizes: all of it as passes
-            passes = big / big_pass
-        fixed = max(big - passes * big_pass, 0.0)
-        out.update({f"{variant}_seconds": _r(big), f"{variant}_passes": _r(passes),
-                    f"{variant}_op_us": _r(fixed / counter.ops * 1e6), f"{variant}_ops": counter.ops,
-                    f"{variant}_tensor_us": _r(fixed / len(VIT_B) * 1e6)})
-    return out
-
-
-def host_step(b: _Bench) -> float:
-    """GB/s of AdamW's step on the host CPU (an offloaded optimizer's: torch's default there) over ViT-B's tensors,
-    counted as :func:`memfit.planner.cost.step_seconds` counts an offloaded step: parameters, gradients and twice
-    the state."""
-    scale = 1 / 1024 if b.quick else 1.0
-    params = _with_grads([torch.randn(max(int(n * scale), 1), requires_grad=True) for n in VIT_B])
-    opt = torch.optim.AdamW(params, lr=1e-4)
-    seconds = b.seconds(opt.step, repeats=1 if b.quick else 4)  # its warm-up step creates the state
-    nbytes = sum(p.numel() for p in params) * 4
-    return _r((nbytes + nbytes + 2 * 2 * nbytes) / seconds / 1e9)
+    return {"checkpointed_s": rounded(checkpointed), "selective_s": rounded(sel), "recomputed_ops": recomputed,
+            "op_us": rounded(per_op)}
 
 
 def calibrate(device: str = "cuda", quick: bool = False, log: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -313,7 +231,7 @@ def calibrate(device: str = "cuda", quick: bool = False, log: Callable[[str], No
     :func:`memfit.planner.time_profile.Profile.from_json` reads). ``device='cpu'`` (tests) is always quick."""
     log = log or (lambda msg: None)
     started = time.perf_counter()
-    b = _Bench(device, quick or device == "cpu")
+    b = Bench(device, quick or device == "cpu")
     if b.cuda:
         torch.cuda.set_device(b.device)
         ref = current_cuda()
@@ -331,31 +249,34 @@ def calibrate(device: str = "cuda", quick: bool = False, log: Callable[[str], No
         log(f"matmul {dtype}")
         tflops, each = matmuls(b, dtype)
         measured[f"matmul_{dtype}_tflops"] = each
-        factors["matmul"][dtype] = _r(tflops / ref.dtype_tflops(dtype))
+        factors["matmul"][dtype] = rounded(tflops / ref.dtype_tflops(dtype))
     for dtype in (d for d in dtypes if d != "tf32"):
         peak = (ref.dtype_tflops("tf32") if b.cuda and dtype == "fp32" else None) or ref.dtype_tflops(dtype)
         for layout, key in (("nchw", "conv"), ("channels_last", "conv_channels_last")):
             log(f"conv {dtype} {layout}")
             tflops, each = convolutions(b, dtype, layout == "channels_last")
             measured[f"conv_{dtype}_{layout}_tflops"] = each
-            factors[key][dtype] = _r(tflops / peak)
+            factors[key][dtype] = rounded(tflops / peak)
         log(f"attention {dtype}")
         tflops, each = attention(b, dtype)
         measured[f"attention_{dtype}_tflops"] = each
-        factors["attention"][dtype] = _r(tflops / ref.dtype_tflops(dtype))
+        factors["attention"][dtype] = rounded(tflops / ref.dtype_tflops(dtype))
     log("memory-bound operators")
     measured["memory_bound"] = memory_bound(b, ref)
-    factors["memory_bound"] = _r(statistics.median(measured["memory_bound"].values()))
+    factors["memory_bound"] = rounded(statistics.median(measured["memory_bound"].values()))
     log("operator launches")
     measured["launch_us"] = launches(b)
     factors["launch_us"] = measured["launch_us"]["autograd"]
+    log("a small model's host cost")
+    measured["model_host"] = host = model_host(b, factors["launch_us"])
+    factors["host_op_factor"] = host["factor"]
     log("selective checkpointing")
     measured["selective"] = sel = selective(b)
     factors["selective_op_us"] = sel["op_us"]
     log("host copies")
     measured["host_gbps"] = copies = host_copies(b)
     if copies:  # the same bytes each way: their total over the total seconds
-        factors["host_bw"] = _r(2 / (1 / copies["h2d"] + 1 / copies["d2h"]) / ref.host_bw)
+        factors["host_bw"] = rounded(2 / (1 / copies["h2d"] + 1 / copies["d2h"]) / ref.host_bw)
     log("optimizer")
     measured["optimizer"] = opt = optimizer(b, ref)
     for variant in ("foreach", "fused"):

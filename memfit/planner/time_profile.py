@@ -23,10 +23,11 @@ The factors (``"factors"`` in the file; any may be left out, the constant then a
   the calibration: :data:`memfit.planner.cost.FSDP_TENSOR_US` unless a profile sets it);
 - ``selective_op_us``: selective checkpointing's host cost per operator its recomputation runs (its policy sees
   every operator of the region), beyond plain checkpointing's;
-- ``host_op_factor``, ``recompute_op_factor``, ``model_memory_bound`` (not measured by the calibration: fitted to
-  real steps, :data:`memfit.planner.cost.HOST_OP_FACTOR` and its neighbours unless a profile sets them): a training
-  step's host cost per operator over ``launch_us``; a recomputed operator's extra, in operators; the share of
-  ``memory_bound`` that a model's FLOP-less kernels reach;
+- ``host_op_factor``: a training step's host cost per operator over ``launch_us`` (a small ViT's forward and
+  backward; :data:`memfit.planner.cost.HOST_OP_FACTOR`, fitted to real steps, unless a profile sets it);
+- ``recompute_op_factor``, ``model_memory_bound`` (not measured by the calibration: fitted to real steps,
+  :data:`memfit.planner.cost.RECOMPUTE_OP_FACTOR` and its neighbour unless a profile sets them): a recomputed
+  operator's extra, in operators; the share of ``memory_bound`` that a model's FLOP-less kernels reach;
 - any key of :data:`memfit.planner.cost.LEVER_FACTORS` (a number): replaces that lever's factor.
 """
 

@@ -56,6 +56,10 @@ def test_quick_cpu_calibration_makes_a_valid_profile(cpu_profile):
     assert f["optimizer_foreach_op_us"] >= 0 and f["link_bw"] is None
     assert "host_bw" not in f  # no host<->device copies on a CPU
     assert data["measured"]["optimizer"]["foreach_ops"] > data["measured"]["optimizer"]["fused_ops"]
+    # a small ViT's forward and backward: its host cost per operator counted, over a bare operator's
+    host = data["measured"]["model_host"]
+    assert host["ops"] > 100 and f["host_op_factor"] == host["factor"] == pytest.approx(
+        host["op_us"] / f["launch_us"], rel=0.01)
 
 
 def test_profile_lookup_own_nearest_or_constants():
