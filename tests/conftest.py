@@ -68,9 +68,10 @@ SLOW_FIRST = [
     "strategies_ds/test_deepspeed_detection.py", "model/test_dino.py", "strategies/test_ddp_fsdp.py",
     "strategies/test_detection_distributed.py", "core/test_runner.py", "core/test_architecture.py",
     "hooks/test_preemption.py", "speed/test_compile.py", "strategies/test_vissl_techniques.py",
-    "checkpoint/test_checkpoint_io.py", "planner/test_cli.py", "memory/test_checkpointing.py",
-    "hooks/test_invalid_loss.py", "strategies/test_publish_sharded.py", "measure/test_tracker.py",
-    "planner/test_sharding_sweep.py", "optim/test_wrapper_mmengine.py", "strategies/test_async_save.py",
+    "checkpoint/test_checkpoint_io.py", "planner/test_sync_points.py", "planner/test_cli.py",
+    "memory/test_checkpointing.py", "hooks/test_invalid_loss.py", "strategies/test_publish_sharded.py",
+    "measure/test_tracker.py", "planner/test_sharding_sweep.py", "optim/test_wrapper_mmengine.py",
+    "strategies/test_async_save.py",
 ]
 
 
