@@ -159,7 +159,10 @@ class Composer:
                 return out
             allocated = out.cuda_allocated
             slack = out.cuda_reserved - out.cuda_allocated
-            if plan.accumulative_counts == 1:
+            if plan.accumulative_counts == 1 and act.sync is not None and \
+                    act.sync == self._act(self._ref(plan), anchor[0]).sync:
+                slack = shard.cuda_reserved - shard.cuda_allocated  # the sharding's step is the row's own
+            elif plan.accumulative_counts == 1:
                 # The free space the row's activations leave in the default stream's segments (its two steps), and
                 # the segments of the streams its sharding allocates on, which only its own buffers use: their size
                 # is the sharding step's, whatever the activations beside (Swin-L at 8 ranks: 864 MiB in each of
