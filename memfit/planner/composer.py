@@ -159,8 +159,7 @@ class Composer:
                 return out
             allocated = out.cuda_allocated
             slack = out.cuda_reserved - out.cuda_allocated
-            if plan.accumulative_counts == 1 and act.sync is not None and \
-                    act.sync == self._act(self._ref(plan), anchor[0]).sync:
+            if plan.accumulative_counts == 1 and mb == anchor[0] and self._same_activations(plan, mb):
                 slack = shard.cuda_reserved - shard.cuda_allocated  # the sharding's step is the row's own
             elif plan.accumulative_counts == 1:
                 # The free space the row's activations leave in the default stream's segments (its two steps), and
@@ -267,6 +266,12 @@ class Composer:
         left = shard.forward_backward.breakdown.get("activations", 0)
         return int(left * (ratio - 1)) + plan_inputs - inputs
 
+    def _same_activations(self, plan: Plan, mb: int) -> bool:
+        """Whether ``plan``'s composed forward/backward at micro-batch ``mb`` holds what the reference's does, step
+        by step (its sync points' figures): its sharding's step is then the row's own."""
+        row = self._act(plan, mb).sync
+        return row is not None and row == self._act(self._ref(plan), mb).sync
+
     def _sharded_peak(self, plan: Plan, ref: Plan, shard: StepMeasurement, mb: int) -> int | None:
         """The peak of ``plan``'s forward/backward under its sharding (``shard``: the sharding's step of the
         reference activations at micro-batch ``mb``), from the sharding's bytes at each sync point of the step
@@ -281,7 +286,7 @@ class Composer:
             return None
         steps = shard.sync.micro_steps()
         if len(steps) == 1:
-            if row_sync == ref_sync:  # the row's activations are the sharding step's own
+            if self._same_activations(plan, mb):
                 return shard.forward_backward.peak
             return sharded_peak(steps[0], ref_sync, row_sync)
         first = sharded_peak(steps[0], ref_sync, row_sync)
