@@ -5,23 +5,19 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from typing import Any
 
-from memfit.measure import CachingAllocatorModel
 from memfit.planner.devices import Device
 from memfit.planner.fake import Phase, StepMeasurement
 from memfit.planner.recompute import CachedTensorMutated, compose
-from memfit.planner.results import PlanResult, allocator_rounding, plan_result
+from memfit.planner.results import PlanResult, inputs_at, larger_of, plan_result
+from memfit.planner.row_allocator import RowAllocator, activations_key, precision_kind
 from memfit.planner.runs import Runs, StepFailed
+from memfit.planner.sharded_replay import ShardedRows
 from memfit.planner.space import Plan, checkpointed_modules
 from memfit.planner.sync_points import sharded_peak
 from memfit.planner.timeline_scale import scaled_recording
 
 _COMPOSED = ("none", "stages", "blocks", "every2", "selective")  # checkpointing choices composed (and firstN)
-
-
-def _half(plan: Plan) -> str:
-    return "fp32" if plan.precision == "fp32" else "half"
 
 
 def compose_checkpointing() -> bool:
@@ -30,7 +26,7 @@ def compose_checkpointing() -> bool:
     return os.environ.get("MEMFIT_PLAN_COMPOSE_AC", "1") != "0"
 
 
-class Composer:
+class Composer(RowAllocator):
     """Composes a plan from its sharding's full step and its activations' forward/backward step.
 
     The activations' step of every checkpointing choice (none, stages, blocks, every 2nd block, selective, the
@@ -59,6 +55,11 @@ class Composer:
         self.composed: dict[tuple, StepMeasurement | StepFailed] = {}
         self.scaled: dict[tuple, StepMeasurement | None] = {}  # recordings at other micro-batches, scaled
         self.epilogues: dict[int, tuple[int, int]] = {}  # id of a sharding step's epilogue -> its key
+        self.sharded = ShardedRows()
+
+    def in_order(self, plans: list[Plan]) -> list[Plan]:
+        """``plans`` in the order to compose them: those of the same activations one after another."""
+        return sorted(plans, key=lambda p: activations_key(p, p.micro_batch))
 
     def _ref(self, plan: Plan) -> Plan:
         """The reference plan with ``plan``'s levers that its fake steps run (channels_last lays activations out
@@ -80,8 +81,8 @@ class Composer:
         """The single-process forward/backward of ``plan``'s activation choices at micro-batch ``mb``."""
         choice = plan.activation_checkpointing
         if not self._composes(choice):
-            run = self.runs.run(("act", _half(plan), choice, plan.efficient_conv_bn_eval, plan.channels_last, mb),
-                                self._act_plan(plan, mb, choice), full=False, single=True)
+            run = self.runs.run(("act", *activations_key(plan, mb)), self._act_plan(plan, mb, choice), full=False,
+                                single=True)
             if choice == "none":
                 return run
             plain = self._act(replace(plan, activation_checkpointing="none"), mb)  # what recomputation adds
@@ -89,7 +90,7 @@ class Composer:
         recorded = self._recorded(plan, mb)
         if recorded.timeline is None:  # a placeholder, while the runs are being collected
             return recorded
-        key = (_half(plan), choice, plan.efficient_conv_bn_eval, plan.channels_last, mb)
+        key = activations_key(plan, mb)
         if key not in self.composed:
             self.composed[key] = self._compose(recorded, choice)
         out = self.composed[key]
@@ -101,7 +102,7 @@ class Composer:
         """The recorded forward/backward without checkpointing of ``plan``'s precision and Conv-BN choice at
         micro-batch ``mb``. Recorded at the configured micro-batch and half of it; every other micro-batch is
         scaled from those two (:mod:`memfit.planner.timeline_scale`), or recorded where they cannot be."""
-        key = ("record", _half(plan), plan.efficient_conv_bn_eval, plan.channels_last)
+        key = ("record", precision_kind(plan), plan.efficient_conv_bn_eval, plan.channels_last)
         if self.half is not None and mb not in (self.ref.micro_batch, self.half):
             if (*key, mb) not in self.scaled:
                 lo, hi = self._recorded(plan, self.half), self._recorded(plan, self.ref.micro_batch)
@@ -130,104 +131,6 @@ class Composer:
                                cuda_allocated=k.cuda_allocated, cuda_reserved=k.cuda_reserved, conv_flops=conv,
                                cuda_requested=k.cuda_requested, recompute_ops=k.recompute_ops, attn_flops=attn,
                                sync=k.sync)
-
-    def _allocator_run(self, plan: Plan, mb: int, shard: StepMeasurement, anchor: tuple[int, int],
-                       rounding_at: tuple[StepMeasurement, tuple[int, int]]) -> StepMeasurement:
-        """Whose simulated allocator gives ``plan``'s rounding and slack at micro-batch ``mb``: its forward/backward
-        (composed, or its run's own calls) twice, with its sharding's optimizer step between and after (the
-        segments a second step finds; an offloaded optimizer's state and step allocate nothing on the device).
-        FSDP and ZeRO-2 allocate their buffers around the activations, on streams of their own, which a
-        single-device forward/backward cannot show: their rows add the segments of those streams in their sharding's
-        step (one that accumulates: what its step held beyond the same two steps of the reference activations at its
-        ``anchor``, micro-batch and micro-steps). ``rounding_at``: the sharding's step (and its anchor)
-        nearest the plan's micro-batch, whose blocks' rounding an FSDP row takes."""
-        act = self._act(plan, mb)
-        if shard.epilogue is None or not self.device.cuda:
-            return act
-        epilogue = [] if plan.offload != "none" else shard.epilogue
-        # Steps whose optimizer allocates the same (the anchors of one sharding) share their two steps; every
-        # offloaded optimizer's (an empty epilogue) are one.
-        same_optimizer = self.epilogues.setdefault(id(shard.epilogue), (hash(tuple(shard.epilogue)),
-                                                                        len(shard.epilogue)))
-        key = same_optimizer if epilogue else None
-        out = self._two_steps(plan, mb, epilogue, key, plan.accumulative_counts)
-        if out is None:
-            return act
-        if plan.sharding in ("fsdp", "zero2"):
-            ref = self._two_steps(self._ref(plan), anchor[0], epilogue, key, anchor[1])
-            if ref is None:
-                return out
-            allocated = out.cuda_allocated
-            slack = out.cuda_reserved - out.cuda_allocated
-            if plan.accumulative_counts == 1 and mb == anchor[0] and self._same_activations(plan, mb):
-                slack = shard.cuda_reserved - shard.cuda_allocated  # the sharding's step is the row's own
-            elif plan.accumulative_counts == 1:
-                # The free space the row's activations leave in the default stream's segments (its two steps), and
-                # the segments of the streams its sharding allocates on, which only its own buffers use: their size
-                # is the sharding step's, whatever the activations beside (Swin-L at 8 ranks: 864 MiB in each of
-                # its FSDP and ZeRO-2 rows' own fake steps).
-                slack += shard.stream_reserved
-            else:  # what the sharding's step (accumulating at the anchor) left free beyond the same activations'
-                slack += max(0, (shard.cuda_reserved - shard.cuda_allocated) - (ref.cuda_reserved - ref.cuda_allocated))
-            r_shard, r_anchor = rounding_at
-            r_ref = None
-            if plan.sharding == "fsdp":
-                r_ref = ref if r_anchor == anchor else self._two_steps(self._ref(plan), r_anchor[0], epilogue, key,
-                                                                       r_anchor[1])
-            if r_ref is not None:
-                # The blocks' rounding likewise: the sharding step's own (its gradients are shards and views into
-                # the reduce-scatter's buffer, not the single device's whole tensors, each rounded) at the anchor
-                # nearest the plan's micro-batch (activations round by their size), and what the plan's activations
-                # round beyond the reference's there. (ViT-B at 8 ranks, benchmarks/composed_rows.py: FSDP rows'
-                # allocated -0.1% .. +3.4% of their own fake steps, were -3.0% .. +6.5%; ZeRO-2 rows, whose
-                # gathered parameters stay through backward, came out 1-2% lower, so they keep the replay's.)
-                rounding = allocator_rounding(r_shard) + allocator_rounding(out) - allocator_rounding(r_ref)
-                allocated += max(0, rounding) - allocator_rounding(out)
-            out = replace(out, cuda_allocated=allocated, cuda_reserved=allocated + slack)
-        return out
-
-    def _slack_at(self, plan: Plan, shard: StepMeasurement, anchor: tuple[int, int],
-                  rounding_at: tuple[StepMeasurement, tuple[int, int]]) -> StepMeasurement:
-        """:meth:`_allocator_run` at ``plan``'s micro-batch where its recording scales to it; else at the configured
-        micro-batch or half of it, a smaller one keeping its share of their segments' free space (fragmentation
-        grows with the activations: Swin-L's micro-batch 8 x 4 reserved 0.30 GiB beyond allocated on an H100,
-        where the two steps at 16 leave 0.63)."""
-        if self._composes(plan.activation_checkpointing):
-            return self._allocator_run(plan, plan.micro_batch, shard, anchor, rounding_at)
-        slack_mb = self.half if self.half and plan.micro_batch <= self.half else self.ref.micro_batch
-        run = self._allocator_run(plan, slack_mb, shard, anchor, rounding_at)
-        if plan.micro_batch >= slack_mb or not run.cuda_reserved:
-            return run
-        slack = (run.cuda_reserved - run.cuda_allocated) * plan.micro_batch // slack_mb
-        return replace(run, cuda_reserved=run.cuda_allocated + slack)
-
-    def _two_steps(self, plan: Plan, mb: int, epilogue: list, key: Any, micro_steps: int) -> StepMeasurement | None:
-        """The simulated allocator's figures of two training steps of ``plan``'s activations at micro-batch
-        ``mb`` with ``epilogue`` (see :meth:`_allocator_run`; ``key`` names the epilogue), each of ``micro_steps``
-        (more than one: a second forward/backward adds its gradients to the first's); None where no allocator
-        calls were kept."""
-        act = self._act(plan, mb)
-        micro_steps = min(micro_steps, 2)  # the third and later micro-steps find the segments the second left
-        full_key = ("two steps", _half(plan), plan.activation_checkpointing, plan.efficient_conv_bn_eval,
-                    plan.channels_last, mb, key, micro_steps)
-        if full_key in self.composed:
-            out = self.composed[full_key]
-        elif not self._composes(plan.activation_checkpointing):  # the run's own allocator calls
-            if act.allocator_calls is None:
-                return None
-            first, (trace, streams) = act.allocator_calls
-            allocator = CachingAllocatorModel.rerun(trace, streams)
-            allocator.finish_steps(first, epilogue, allocator.held_since(first), micro_steps)
-            out = self.composed[full_key] = replace(act, cuda_allocated=allocator.peak_allocated,
-                                                    cuda_reserved=allocator.peak_reserved,
-                                                    cuda_requested=allocator.peak_requested)
-        else:
-            recorded = self._recorded(plan, mb)
-            if recorded.timeline is None:
-                return None
-            out = self.composed[full_key] = self._compose(recorded, plan.activation_checkpointing, epilogue,
-                                                          micro_steps)
-        return None if isinstance(out, StepFailed) else out
 
     def configured_fb(self, configured: Plan) -> StepMeasurement:
         """The configured plan's forward/backward (its compute): composed when its checkpointing is, else run."""
@@ -293,29 +196,35 @@ class Composer:
         later = sharded_peak(steps[-1], ref_sync.later, row_sync.later)
         return None if first is None or later is None else max(first, later)
 
-    def __call__(self, plan: Plan) -> PlanResult:
-        ref = self._ref(plan)
-        accumulates = plan.accumulative_counts > 1 and ref.accumulative_counts == 1
-        anchors = [(ref.micro_batch, ref.accumulative_counts)]
-        if accumulates and plan.sharding in ("zero2", "fsdp"):
+    def _anchors(self, plan: Plan, ref: Plan) -> list[tuple[int, int]]:
+        """(micro-batch, micro-steps) of the sharding steps ``plan`` is composed from."""
+        if plan.accumulative_counts > 1 and ref.accumulative_counts == 1 and plan.sharding in ("zero2", "fsdp"):
             # FSDP without gradient sync keeps unsharded gradients and their reduce buffers across micro-steps:
             # measured on steps that accumulate, at half the micro-batch (where activations make the peak)
             # and at the smallest (where the final reduce-scatter's buffers do); the larger composition wins.
-            anchors = [(mb, 2) for mb in sorted({self.half, self.smallest}, reverse=True)]
-        peak, without_grads, flops, written, conv, attn = self._line(plan, plan.micro_batch)
-        micro = replace(self._act(plan, ref.micro_batch), flops=flops, written=written, conv_flops=conv,
-                        attn_flops=attn)
+            return [(mb, 2) for mb in sorted({self.half, self.smallest}, reverse=True)]
+        return [(ref.micro_batch, ref.accumulative_counts)]
+
+    def _shard(self, plan: Plan, ref: Plan, mb: int, k: int) -> StepMeasurement:
+        """``plan``'s sharding's full step of the reference activations at micro-batch ``mb`` and ``k`` micro-steps."""
         # Optimizer offload is its sharding's step with the optimizer's memory on the host (plan_result); ZeRO-2's
         # runs with the offload, whose buffers' slack differs (ViT-B at 8 ranks, benchmarks/composed_rows.py: its
         # rows reserved -5.3% .. -2.2% of their own fake steps from the step without it, now -3.4% .. +1.8%).
         offload = "none" if plan.offload == "optimizer" and plan.sharding != "zero2" else plan.offload
         # A ZeRO-2 or FSDP step records its sync points (memfit.planner.sync_points).
         sync = self.record if plan.sharding in ("zero2", "fsdp") and self.recorded else None
-        shards = {(mb, k): self.runs.run(("shard", plan.sharding, offload, plan.channels_last, plan.fused_optimizer,
-                                          mb, k), replace(ref, sharding=plan.sharding, offload=offload, micro_batch=mb,
-                                                          accumulative_counts=k), full=True, steps=1,
-                                         record=sync)
-                  for mb, k in anchors}
+        return self.runs.run(("shard", plan.sharding, offload, plan.channels_last, plan.fused_optimizer, mb, k),
+                             replace(ref, sharding=plan.sharding, offload=offload, micro_batch=mb,
+                                     accumulative_counts=k), full=True, steps=1, record=sync)
+
+    def __call__(self, plan: Plan) -> PlanResult:
+        ref = self._ref(plan)
+        accumulates = plan.accumulative_counts > 1 and ref.accumulative_counts == 1
+        anchors = self._anchors(plan, ref)
+        peak, without_grads, flops, written, conv, attn = self._line(plan, plan.micro_batch)
+        micro = replace(self._act(plan, ref.micro_batch), flops=flops, written=written, conv_flops=conv,
+                        attn_flops=attn)
+        shards = {(mb, k): self._shard(plan, ref, mb, k) for mb, k in anchors}
         nearest = min(anchors, key=lambda a: abs(a[0] - plan.micro_batch))  # whose step rounds as the plan's would
         results = []
         for mb, k in anchors:
@@ -347,35 +256,9 @@ class Composer:
                 grads = (peak - without_grads) - (ref_peak - ref_without_grads)
                 fb_delta = without_grads - ref_without_grads + grads // self.world
             if plan.micro_batch != mb:
-                shard = _inputs_at(shard, plan.micro_batch / mb)
+                shard = inputs_at(shard, plan.micro_batch / mb)
             run = self._slack_at(plan, shard, (mb, k), (shards[nearest], nearest))
             results.append(plan_result(plan, shard, micro, self.device, self.world, k, fb_delta=fb_delta,
                                        fb_grads=fb_grads, allocator_run=run))
-        return replace(_larger(results), seconds=results[0].seconds)
+        return replace(larger_of(results), seconds=results[0].seconds)
 
-
-def _larger(results: list[PlanResult]) -> PlanResult:
-    """Of one plan's compositions at several anchors, the one allocating most, with the largest free space in the
-    segments any left beside its allocations (each allocator run's slack is measured on its anchor's sharding
-    step, and either step's fragmentation can be the plan's)."""
-    out = max(results, key=lambda r: (r.allocated, r.peak_bytes))
-    more = max(r.reserved - r.allocated for r in results) - (out.reserved - out.allocated)
-    if more <= 0:
-        return out
-    breakdown = {**out.breakdown, "allocator_slack": out.breakdown.get("allocator_slack", 0) + more}
-    return replace(out, peak_bytes=out.peak_bytes + more, reserved=out.reserved + more, breakdown=breakdown)
-
-
-def _inputs_at(shard: StepMeasurement, scale: float) -> StepMeasurement:
-    """``shard`` with its batches (the next one is prefetched while the step runs) at ``scale`` times their
-    micro-batch: a smaller micro-batch's plan holds smaller ones beside its optimizer step."""
-    b = shard.optimizer.breakdown
-    inputs = b.get("inputs", 0)
-    if not inputs:
-        return shard
-    scaled = int(inputs * scale)
-    fb = shard.forward_backward.breakdown  # its peak stays: the activations' line has the batches in it
-    fb = {**fb, "inputs": int(fb.get("inputs", 0) * scale),
-          "activations": fb.get("activations", 0) + fb.get("inputs", 0) - int(fb.get("inputs", 0) * scale)}
-    return replace(shard, optimizer=Phase(shard.optimizer.peak - inputs + scaled, {**b, "inputs": scaled}),
-                   forward_backward=Phase(shard.forward_backward.peak, fb))

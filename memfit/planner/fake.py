@@ -99,6 +99,7 @@ class StepMeasurement:
     # A full run on a CUDA target: what its simulated allocator reserved on the streams its sharding allocates on
     # (FSDP2's all-gathers and reduce-scatters; all but the default stream and the batches' copy stream).
     stream_reserved: int = 0
+    shard_trace: Any = None  # a full run with ``record``: its allocator calls (memfit.planner.sync_points.ShardTrace)
 
 
 @contextlib.contextmanager
@@ -345,6 +346,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
                            cuda_reserved=allocator.peak_reserved if allocator else 0,
                            timeline=recorder.timeline if isinstance(recorder, Recorder) else None,
                            sync=recorder.profile.shifted(held) if isinstance(recorder, SyncRecorder) else None,
+                           shard_trace=recorder.trace if isinstance(recorder, SyncRecorder) else None,
                            host_peak=tracker.host_peak_bytes,
                            stream_reserved=_stream_reserved(allocator) if full else 0,
                            peak_without_grads=0 if full else fb_without_grads,

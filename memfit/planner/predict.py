@@ -122,6 +122,7 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
             compose(p)
         runs.collecting = False
         runs.execute()
+        compose.prefetch(plans)
         try:
             own = runs.run("configured", configured, full=True, steps=1)
             # Compute comes from a forward/backward run, as for every composed row (clipping and loss scaling,
@@ -131,7 +132,7 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
             raise ConfigError(f"the configured plan ({configured.name}) fails in its fake step: {exc}") from None
         results = [plan_result(configured, own, own_fb, device, world_size, configured.accumulative_counts, "measured")]
         failed: dict[str, list[Plan]] = {}
-        for p in plans:
+        for p in compose.in_order(plans):
             try:
                 results.append(compose(p))
             except StepFailed as exc:

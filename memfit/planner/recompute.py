@@ -55,7 +55,8 @@ class CachedTensorMutated(RuntimeError):
 
 
 def compose(tl: Timeline, regions: Iterable[str], selective: bool = False,
-            epilogue: list[tuple[int, int | None]] | None = None, micro_steps: int = 1) -> Composed:
+            epilogue: list[tuple[int, int | None]] | None = None, micro_steps: int = 1,
+            events: list[tuple] | None = None) -> Composed:
     """The recorded step with the calls of the modules named in ``regions`` checkpointed (a call inside
     another checkpointed one is not checkpointed again, as memfit's install never wraps twice).
 
@@ -67,7 +68,9 @@ def compose(tl: Timeline, regions: Iterable[str], selective: bool = False,
     the simulated allocator runs two training steps, as a real run's second step finds the segments: the
     composed forward/backward, the optimizer step (its state kept, the step's leftovers freed as
     ``zero_grad`` frees the gradients), then both again on those segments; with ``micro_steps`` > 1 each step
-    runs the forward/backward again as a later micro-step (its gradients added in place) before the optimizer's."""
+    runs the forward/backward again as a later micro-step (its gradients added in place) before the optimizer's.
+
+    ``events``: a list given is filled with the composed step's allocations and frees in order (see :func:`_replay`)."""
     names = set(regions)
     ix = tl.index
     chosen = {c for c, name in enumerate(tl.calls) if name in names}
@@ -106,7 +109,7 @@ def compose(tl: Timeline, regions: Iterable[str], selective: bool = False,
         _scratch(items, (i, 0), 0, ("scratch", i), sizes)
     items += [(i, 1, 0, None, uid, 0, False) for i, uid in ix.grads]  # is_alloc None: it became a gradient
     items += [(i, 0, 0, "sync", kind, 0, False) for i, kind in ix.sync]
-    return replace(_replay(tl, items, flops, ops, written, epilogue, micro_steps), recompute_ops=recompute_ops)
+    return replace(_replay(tl, items, flops, ops, written, epilogue, micro_steps, events), recompute_ops=recompute_ops)
 
 
 def _recompute(tl: Timeline, c: int, frame: int, selective: bool, items: list[tuple],
@@ -186,11 +189,14 @@ def _scratch(items: list[tuple], at: tuple[int, int], seq: int, key: tuple, size
 
 
 def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int,
-            epilogue: list[tuple[int, int | None]] | None = None, micro_steps: int = 1) -> Composed:
+            epilogue: list[tuple[int, int | None]] | None = None, micro_steps: int = 1,
+            events: list[tuple] | None = None) -> Composed:
     """The tracker's accounting over the composed allocations and frees: the peak is taken after each
     allocation (after each operator's outputs, as the tracker does); a retroactive one (alive before the
     step, first seen now) raises the peak too. The simulated allocator runs them, and with ``epilogue`` two
-    steps (:func:`compose`)."""
+    steps (:func:`compose`). ``events`` (a list): gets ``(key, nbytes, stream)`` for each allocation,
+    ``(key, None, 0)`` for each free, ``(key, -1, 0)`` where a storage becomes a gradient and ``(None, kind, 0)``
+    at each sync point, in order; a retroactive allocation (alive before the step) is left out."""
     items.sort(key=lambda it: it[:3])
     allocator = None
     if tl.prefix is not None:
@@ -204,6 +210,13 @@ def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int
     # The sync points' figures (SyncProfile), and without the gradients (those of a later micro-step)
     start, at, peaks, at_ng, peaks_ng = tl.start, [], [tl.start], [], [tl.start]
     for _, _, _, is_alloc, key, n, retro in items:
+        if events is not None and not retro:
+            if is_alloc == "sync":
+                events.append((None, key, 0))
+            elif is_alloc is None:
+                events.append((key, -1, 0))
+            else:
+                events.append((key, n, tl.streams.get(key, 0)) if is_alloc else (key, None, 0))
         if is_alloc == "sync":
             kinds.append(key)
             at.append(total)

@@ -4,13 +4,13 @@ count, offload taken out, the simulated CUDA allocator's rounding and slack, the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from memfit.planner import devices
 from memfit.planner.cost import ModelState, step_seconds
 from memfit.planner.devices import Device
-from memfit.planner.fake import StepMeasurement
+from memfit.planner.fake import Phase, StepMeasurement
 from memfit.planner.inputs import PlannedInput
 from memfit.planner.levers import Levers, memory_source
 from memfit.planner.space import Plan
@@ -152,3 +152,30 @@ def fit_margin(r: PlanResult, device: Device, detection: bool = False) -> float:
     else:
         kind = FIT_MARGINS["measured" if r.source == "measured" else "composed"]
     return max(kind, FIT_MARGINS["detection"]) if detection else kind
+
+
+def larger_of(results: list[PlanResult]) -> PlanResult:
+    """Of one plan's compositions at several anchors, the one allocating most, with the largest free space in the
+    segments any left beside its allocations (each allocator run's slack is measured on its anchor's sharding
+    step, and either step's fragmentation can be the plan's)."""
+    out = max(results, key=lambda r: (r.allocated, r.peak_bytes))
+    more = max(r.reserved - r.allocated for r in results) - (out.reserved - out.allocated)
+    if more <= 0:
+        return out
+    breakdown = {**out.breakdown, "allocator_slack": out.breakdown.get("allocator_slack", 0) + more}
+    return replace(out, peak_bytes=out.peak_bytes + more, reserved=out.reserved + more, breakdown=breakdown)
+
+
+def inputs_at(shard: StepMeasurement, scale: float) -> StepMeasurement:
+    """``shard`` with its batches (the next one is prefetched while the step runs) at ``scale`` times their
+    micro-batch: a smaller micro-batch's plan holds smaller ones beside its optimizer step."""
+    b = shard.optimizer.breakdown
+    inputs = b.get("inputs", 0)
+    if not inputs:
+        return shard
+    scaled = int(inputs * scale)
+    fb = shard.forward_backward.breakdown  # its peak stays: the activations' line has the batches in it
+    fb = {**fb, "inputs": int(fb.get("inputs", 0) * scale),
+          "activations": fb.get("activations", 0) + fb.get("inputs", 0) - int(fb.get("inputs", 0) * scale)}
+    return replace(shard, optimizer=Phase(shard.optimizer.peak - inputs + scaled, {**b, "inputs": scaled}),
+                   forward_backward=Phase(shard.forward_backward.peak, fb))

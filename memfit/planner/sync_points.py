@@ -18,6 +18,8 @@ beyond the single-device reference step.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -29,6 +31,25 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 ENTER, EXIT, BACKWARD, BACKWARD_END = range(4)  # a call's forward begins, ends; its backward begins, ends
 STEP = 4  # a recorded step's next micro-step begins (its model's forward is called again)
+# Where FSDP2's code is: an allocation or free made while one of its frames runs is the sharding's own.
+_FSDP_DIR = os.path.join("torch", "distributed", "fsdp", "")
+
+
+@dataclass(frozen=True)
+class ShardTrace:
+    """A recorded sharded step's simulated allocator calls (``CachingAllocatorModel.calls``, up to the end of its
+    optimizer step, before any replay): its step began at ``trace[first]``; its forward/backward ran until
+    ``trace[end]``; ``points``: the index of the next call at each sync point (of ``kinds``); ``own``: for each
+    call of the forward/backward, whether the sharding's code made it (a frame of FSDP2's on the stack: its
+    all-gathers, resharding, reduce-scatters and the gradients they free) rather than the model's operators."""
+
+    trace: list[tuple[Any, int | None]]
+    streams: dict[int, Any]
+    first: int
+    end: int
+    points: tuple[int, ...]
+    kinds: tuple[int, ...]
+    own: bytes
 
 
 @dataclass(frozen=True)
@@ -135,9 +156,33 @@ class SyncRecorder:
         self._calls = 0  # of the model's forward
         self._handles: list[Any] = []
         self._open = False
+        self._first = self._end = 0  # the allocator's calls where the step began, where its backward ended
+        self._points: list[int] = []
+        self._own = bytearray()  # of each allocator call since the step began: whether the sharding made it
+        self._codes: dict[Any, bool] = {}  # code object -> whether it is FSDP2's
+        self.trace: ShardTrace | None = None
+
+    def _tag(self) -> None:
+        """Tags the allocator calls made since the last tag: the sharding's where a frame of FSDP2's is running."""
+        allocator = self.mode.allocator if self.mode is not None else None
+        if allocator is None or not self._open:
+            return
+        n = len(allocator.trace) - self._first - len(self._own)
+        if n <= 0:
+            return
+        own, f, codes = False, sys._getframe(1), self._codes
+        while f is not None and not own:
+            code = f.f_code
+            if code not in codes:
+                codes[code] = _FSDP_DIR in code.co_filename
+            own, f = codes[code], f.f_back
+        self._own.extend((own,) * n)
 
     def point(self, kind: int) -> None:
         if self._open:
+            self._tag()
+            if self.mode.allocator is not None:
+                self._points.append(len(self.mode.allocator.trace))
             total = self.mode.total
             self._seen(total)
             self.late.append(2 * self._peak_op > self._ops)
@@ -153,18 +198,20 @@ class SyncRecorder:
 
     # -- the live storages' calls ---------------------------------------------------------------------------
     def alloc(self, key: int, nbytes: int, retroactive: bool, stream: Any = 0) -> None:
+        self._tag()
         if self._open and retroactive:  # alive since before the step: at every point so far too
             self.start += nbytes
             self.at = [a + nbytes for a in self.at]
             self.peaks = [p + nbytes for p in self.peaks]
 
     def free(self, key: int) -> None:
-        pass
+        self._tag()
 
     def gradient(self, key: int) -> None:
         pass
 
     def scratch(self, sizes: tuple[int, ...]) -> None:
+        self._tag()
         self._seen(self.mode.total + sum(sizes))  # blocks the operator just counted held beside its outputs
 
     def observe(self, counter: Any) -> Any:
@@ -184,12 +231,16 @@ class SyncRecorder:
 
     def _close(self, *args: Any) -> None:
         if self._open:
+            self._tag()
+            if self.mode.allocator is not None:
+                self._end = len(self.mode.allocator.trace)
             self._seen(self.mode.total)
             self.late.append(2 * self._peak_op > self._ops)
             self._open = False
 
     def __enter__(self) -> SyncRecorder:
         self._open = True
+        self._first = len(self.mode.allocator.trace) if self.mode.allocator is not None else 0
         self.start = self.mode.total
         self.peaks = [self.start]
         self.mode.timeline = self
@@ -203,6 +254,11 @@ class SyncRecorder:
         for h in self._handles:
             h.remove()
         self.mode.timeline = None
+        allocator = self.mode.allocator
+        if allocator is not None and exc[0] is None:
+            trace, streams = allocator.calls()
+            self.trace = ShardTrace(trace, streams, self._first, self._end, tuple(self._points), tuple(self.kinds),
+                                    bytes(self._own))
 
     @property
     def profile(self) -> SyncProfile:

@@ -98,7 +98,8 @@ def _heavy_cfg() -> dict:
 # (plan words, micro-batch): one micro-step, and accumulating (the sharding's step of two micro-steps, each)
 ROWS = (("fp32 ac:blocks fsdp", "mb8x1"), ("fp32 ac:every2 fsdp", "mb8x1"), ("fp32 ac:blocks zero2", "mb8x1"),
         ("fp32 ac:selective fsdp", "mb8x1"), ("fp32 fsdp", "mb8x1"), ("fp32 ac:blocks fsdp", "mb2x4"),
-        ("fp32 zero2", "mb2x4"))
+        ("fp32 zero2", "mb2x4"), ("bf16 ac:every2 fsdp offload:optimizer", "mb8x1"),
+        ("bf16 ac:blocks zero2 offload:optimizer", "mb4x2"))
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +114,8 @@ def heavy_rows():
         mp.setattr(composer.Composer, "_sharded_peak", lambda *a: None)
         before = {r.plan.name: r for r in predict(cfg, device=gpu("4090"), world_size=4, verify=False).results}
     for words, micro in ROWS:
-        name = next(n for n in composed if n.startswith(words + " ") and n.endswith(micro) and "offload" not in n)
+        name = next(n for n in composed if n.startswith(words + " ") and n.endswith(micro) and
+                    ("offload" in words or "offload" not in n))
         row = composed[name]
         own = predict(replace(row.plan, configured=False).apply(cfg, facts), device=gpu("4090"), world_size=4,
                       as_is=True).results[0]
@@ -129,15 +131,12 @@ def test_composed_sharded_rows_allocate_what_their_own_steps_do(heavy_rows, row_
 
 
 def test_a_sharded_rows_reserved_memory(heavy_rows):
-    """The row whose activations are its sharding step's own reserves what that step does; the others add the
-    step's all-gather and reduce-scatter streams' segments to the free space their activations leave on one device,
-    more than they leave beside the sharding's buffers (over: +8% .. +11% here; the ZeRO-2 row -5.7%, within the 8%
-    margin of sharded rows). Accumulating rows take what the sharding's step left free beyond the same activations'
-    (within 0.5% here)."""
+    """A row's composed forward/backward runs in its sharding's recorded step (memfit/planner/sharded_replay.py):
+    its reserved memory is its own fake step's, one micro-step or accumulating, an optimizer offloaded or not.
+    (Before, from the free space the row's activations leave on one device and the sharding's streams: -5.7% ..
+    +11%.)"""
     errors = {key: row.reserved / own.reserved - 1 for key, (row, _, own) in heavy_rows.items()}
-    assert errors[("fp32 fsdp", "mb8x1")] == 0
-    assert all(-0.06 <= e <= 0.11 for e in errors.values()), errors
-    assert all(abs(e) <= 0.01 for (_, micro), e in errors.items() if micro == "mb2x4"), errors
+    assert all(abs(e) <= 1e-3 for e in errors.values()), errors
 
 
 def test_the_reference_steps_peak_was_off_where_checkpointing_moves_the_peak(heavy_rows):

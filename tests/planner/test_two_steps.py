@@ -85,8 +85,8 @@ def test_a_composed_row_is_its_own_fake_step(rows, words):
     assert abs(row.allocated - own.allocated) <= 1024, words
     if words in ACCUMULATING:
         assert row.reserved == pytest.approx(own.reserved, rel=0.03), words
-    elif "fsdp" in words:  # FSDP's buffers and streams: its step's own slack beyond the reference activations'
-        assert row.reserved == pytest.approx(own.reserved, rel=0.03), words
+    elif "fsdp" in words:  # run in its sharding's recorded step (memfit/planner/sharded_replay.py)
+        assert row.reserved == pytest.approx(own.reserved, rel=1e-3), words
     else:  # a scalar's bytes apart: tracked peaks differ by a few bytes
         assert abs(row.reserved - own.reserved) <= 1024, words
 
@@ -107,8 +107,7 @@ def test_of_several_anchors_a_row_takes_the_most_allocated_and_the_largest_free_
     allocates what the larger composition does, and keeps the larger free space either anchor's simulated steps
     left in their segments, not the larger reserved total (which under-counted: ViT-B at 8 ranks, `fp16 ac:every2
     fsdp offload:params mb8x8` reserved -8.2% against its own fake step, +0.6% now; benchmarks/composed_rows.py)."""
-    from memfit.planner.composer import _larger
-    from memfit.planner.results import PlanResult
+    from memfit.planner.results import PlanResult, larger_of
     from memfit.planner.space import Plan
 
     mib = 2**20
@@ -119,10 +118,10 @@ def test_of_several_anchors_a_row_takes_the_most_allocated_and_the_largest_free_
         slack = reserved - allocated
         return PlanResult(plan, reserved * mib, {"allocator_slack": slack * mib}, allocated * mib, reserved * mib, 1.0)
 
-    out = _larger([row(404, 547), row(351, 554)])
+    out = larger_of([row(404, 547), row(351, 554)])
     assert (out.allocated, out.reserved, out.peak_bytes) == (404 * mib, 607 * mib, 607 * mib)
     assert out.breakdown["allocator_slack"] == 203 * mib
-    assert _larger([row(404, 620), row(351, 554)]).reserved == 620 * mib  # the larger one's own slack is larger
+    assert larger_of([row(404, 620), row(351, 554)]).reserved == 620 * mib  # the larger one's own slack is larger
 
 
 def test_an_fsdp_rows_rounding_is_its_sharding_steps():
@@ -136,11 +135,11 @@ def test_an_fsdp_rows_rounding_is_its_sharding_steps():
     assert abs(row.allocated - own.allocated) <= 1024
 
 
-# (row, reserved within this of its own fake step's): over, on the safe side. A row adds its sharding step's
-# segments on the all-gather and reduce-scatter streams to the free space its activations leave on a single device,
-# which is more than they leave beside a sharding's buffers (these rows: 29 MiB on one device, 13 MiB beside FSDP's).
-SHARDED = [("bf16 ac:blocks fsdp mb16x1", 0.08), ("bf16 ac:blocks zero2 mb16x1", 0.13),
-           ("bf16 ac:blocks zero2 offload:optimizer mb16x1", 0.15)]
+# (row, reserved within this of its own fake step's). Each runs in its sharding's recorded step
+# (memfit/planner/sharded_replay.py); the FSDP row's segments differ by three small ones (230 MiB against 236).
+# Before, adding its sharding step's streams to the free space its activations leave on one device: +8%, +13%, +15%.
+SHARDED = [("bf16 ac:blocks fsdp mb16x1", 0.03), ("bf16 ac:blocks zero2 mb16x1", 0.001),
+           ("bf16 ac:blocks zero2 offload:optimizer mb16x1", 0.001)]
 
 
 @pytest.fixture(scope="module")
@@ -160,4 +159,4 @@ def test_a_sharded_checkpointed_row_holds_its_shards_of_the_gradients(sharded_ro
     row, own = sharded_rows[words]
     assert row.source == "composed"
     assert row.allocated == pytest.approx(own.allocated, rel=0.01), words
-    assert -0.03 <= row.reserved / own.reserved - 1 <= reserved, words
+    assert abs(row.reserved / own.reserved - 1) <= reserved, words
