@@ -122,7 +122,6 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
             compose(p)
         runs.collecting = False
         runs.execute()
-        compose.prefetch(plans)
         try:
             own = runs.run("configured", configured, full=True, steps=1)
             # Compute comes from a forward/backward run, as for every composed row (clipping and loss scaling,

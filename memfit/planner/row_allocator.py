@@ -93,8 +93,8 @@ class RowAllocator:
                      ) -> StepMeasurement | None:
         """``act`` with the simulated allocator's figures of ``plan``'s composed forward/backward at micro-batch
         ``mb`` run in its sharding's step ``shard`` at ``shard_mb`` (:mod:`memfit.planner.sharded_replay`), of one
-        micro-step or accumulating over two as the plan does; None where that cannot be (a checkpointing choice not
-        composed, a step whose micro-steps are not the plan's). Swin-L and ViT-B/6 at 8 ranks
+        micro-step or accumulating as the plan does; None where that cannot be (a checkpointing choice not composed,
+        a step whose micro-steps are not the plan's). Swin-L and ViT-B/6 at 8 ranks
         (benchmarks/composed_rows.py): reserved -1.5% .. +2.9% of the rows' own fake steps (were -6.0% .. +11.7%)."""
         if shard.shard_trace is None or not self._composes(plan.activation_checkpointing):
             return None
@@ -109,7 +109,9 @@ class RowAllocator:
         # An optimizer offloaded beside FSDP is its step without the offload (_shard), whose state and step
         # allocate nothing on the device.
         host_optimizer = plan.offload == "optimizer" and plan.sharding != "zero2"
-        return (shard.shard_trace, acts, (plan.sharding, plan.offload, plan.fused_optimizer), not host_optimizer,
+        # (an optimizer on the host: its step runs none of its calls on the device, fused or not)
+        sharding = (plan.sharding, plan.offload, None if host_optimizer else plan.fused_optimizer)
+        return (shard.shard_trace, acts, sharding, not host_optimizer,
                 min(plan.accumulative_counts, 3), lambda: self._events(plan, mb), mb / shard_mb)
 
     def _events(self, plan: Plan, mb: int) -> list[tuple]:
@@ -163,22 +165,3 @@ class RowAllocator:
             out = self.composed[full_key] = self._compose(recorded, plan.activation_checkpointing, epilogue,
                                                           micro_steps)
         return None if isinstance(out, StepFailed) else out
-
-    def prefetch(self, plans: list[Plan]) -> None:
-        """Runs the ZeRO-2 and FSDP rows' simulated steps in their sharding's step (:meth:`_sharded_run`) in the
-        planner's worker processes, side by side, where it has them: the rows then find them done."""
-        if self.runs.pool is None or not self.device.cuda:
-            return
-        requests = []
-        for plan in self.in_order(plans):
-            if plan.sharding not in ("zero2", "fsdp") or not self._composes(plan.activation_checkpointing):
-                continue
-            ref = self._ref(plan)
-            mb, k = self._anchors(plan, ref)[0]
-            try:
-                shard = self._shard(plan, ref, mb, k)
-            except StepFailed:
-                continue
-            if shard.epilogue is not None and shard.shard_trace is not None:
-                requests.append(self._sharded_args(plan, plan.micro_batch, shard, mb))
-        self.sharded.prefetch(requests, self.runs.pool)

@@ -20,7 +20,6 @@ from typing import Any
 
 from memfit.measure import CachingAllocatorModel
 from memfit.planner.fake import INPUT_STREAM
-from memfit.planner.pool import Job, Pool
 from memfit.planner.sync_points import STEP, ShardTrace
 
 _GRAD = -1  # a row event's nbytes where its storage became a gradient (memfit.planner.recompute._replay)
@@ -68,6 +67,21 @@ def _copy(row: list[tuple[Any, Any, Any]], c: int) -> list[tuple[Any, Any, Any]]
     return out
 
 
+class RowCalls:
+    """A composed row's calls (``recompute.compose``'s events) split at its sync points, as each micro-step of
+    gradient accumulation runs them (:func:`_copy`), each made once; ``grads``: its gradients' keys, in order."""
+
+    def __init__(self, row: list[tuple[Any, Any, Any]]) -> None:
+        self.row = row
+        self.grads = [("row", key) for key, nbytes, _ in row if nbytes == _GRAD]
+        self._steps: dict[int, list[list[tuple[Any, Any, Any]]]] = {}
+
+    def step(self, c: int) -> list[list[tuple[Any, Any, Any]]]:
+        if c not in self._steps:
+            self._steps[c] = _stretches(_copy(self.row, c))
+        return self._steps[c]
+
+
 class ShardedSteps:
     """A recorded sharded step (``st``) that runs composed forward/backward steps in place of its activations (see
     the module docstring): its own calls of each stretch between two sync points, each with how many of the
@@ -96,8 +110,8 @@ class ShardedSteps:
                 own.append((seen, key, nbytes, st.streams.get(i, 0), handed.get(i, -1)))
             self.stretches.append((seen, own))
 
-    def run(self, row: list[tuple[Any, Any, Any]], optimizer: bool = True, micro_steps: int = 1, inputs: float = 1.0
-            ) -> CachingAllocatorModel | None:
+    def run(self, row: list[tuple[Any, Any, Any]] | RowCalls, optimizer: bool = True, micro_steps: int = 1,
+            inputs: float = 1.0) -> CachingAllocatorModel | None:
         """The simulated allocator after two training steps of the recorded sharding with the composed
         forward/backward ``row`` (``recompute.compose``'s events) in place of its activations; None where the two
         do not have the same sync points. ``optimizer`` False: the optimizer is on the host (its state and step
@@ -110,10 +124,11 @@ class ShardedSteps:
         groups = [self.stretches[:cut], self.stretches[cut:]] if micro_steps > 1 else [self.stretches]
         if micro_steps > 2:
             groups.insert(1, groups[0])
-        steps = [_stretches(_copy(row, c)) for c in range(len(groups))]
+        calls = row if isinstance(row, RowCalls) else RowCalls(row)
+        steps = [calls.step(c) for c in range(len(groups))]
         if any(len(g) != len(r) for g, r in zip(groups, steps)):
             return None
-        grads = [("row", key) for key, nbytes, _ in row if nbytes == _GRAD]
+        grads = calls.grads
         allocator = CachingAllocatorModel()
         malloc, free = allocator.malloc, allocator.free
         alias: dict[Hashable, Hashable] = {}  # a recorded key -> the block its latest copy holds
@@ -169,7 +184,7 @@ class ShardedRows:
     def __init__(self) -> None:
         self.figures: dict[tuple, tuple[int, int, int] | None] = {}
         self._steps: dict[int, ShardedSteps] = {}  # by id of the ShardTrace (the planner's runs keep it)
-        self._events: tuple[Hashable, list[tuple]] | None = None  # the last activations' (rows come in their order)
+        self._events: tuple[Hashable, RowCalls] | None = None  # the last activations' (rows come in their order)
 
     def __call__(self, st: ShardTrace, acts: Hashable, sharding: Hashable, optimizer: bool, micro_steps: int,
                  events: Callable[[], list[tuple]], inputs: float = 1.0) -> tuple[int, int, int] | None:
@@ -179,40 +194,13 @@ class ShardedRows:
         done = (sharding, acts, optimizer, micro_steps)
         if done not in self.figures:
             if self._events is None or self._events[0] != acts:
-                self._events = (acts, events())
+                self._events = (acts, RowCalls(events()))
             steps = self._steps.get(id(st))
             if steps is None:
                 steps = self._steps[id(st)] = ShardedSteps(st)
             self.figures[done] = _figures(steps.run(self._events[1], optimizer, micro_steps, inputs))
         return self.figures[done]
 
-    def prefetch(self, requests: list[tuple], pool: Pool) -> None:
-        """Runs ``requests`` (each what :meth:`__call__` takes; of one activations after another) in ``pool``'s
-        worker processes, side by side (Swin-L at 8 ranks: about 300 runs of 0.1 s)."""
-        jobs: dict[Hashable, Job] = {}
-        last: tuple[Hashable, list[tuple]] | None = None
-        for st, acts, sharding, optimizer, micro_steps, events, inputs in requests:
-            done = (sharding, acts, optimizer, micro_steps)
-            if done in self.figures or done in jobs:
-                continue
-            if last is None or last[0] != acts:
-                last = (acts, events())
-            jobs[done] = Job(run_in, (st, last[1], optimizer, micro_steps, inputs), len(last[1]) * micro_steps)
-
-        def done(key: Hashable, ok: bool, value: Any) -> bool:
-            if not ok:
-                raise value
-            self.figures[key] = value
-            return True
-
-        pool.run(jobs, done)
-
 
 def _figures(allocator: CachingAllocatorModel | None) -> tuple[int, int, int] | None:
     return None if allocator is None else (allocator.peak_allocated, allocator.peak_reserved, allocator.peak_requested)
-
-
-def run_in(st: ShardTrace, row: list[tuple], optimizer: bool, micro_steps: int, inputs: float
-           ) -> tuple[int, int, int] | None:
-    """A worker's :meth:`ShardedSteps.run`: its figures (peak allocated, reserved, requested), or None."""
-    return _figures(ShardedSteps(st).run(row, optimizer, micro_steps, inputs))
