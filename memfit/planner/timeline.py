@@ -117,8 +117,15 @@ class Recorder:
 
     def free(self, key: int) -> None:
         uid = self._uids.pop(key, None)
-        if uid is not None:
-            self.events.append((FREE, uid))
+        if uid is None:
+            return
+        # Frees with nothing between them (a structure torn down, a garbage collection) come in an order that follows
+        # memory addresses, different every run: kept in the order the storages were made, so that a recording, and
+        # the composed rows' simulated allocators, are the same every run.
+        events, i = self.events, len(self.events)
+        while i and events[i - 1][0] == FREE and events[i - 1][1] > uid:
+            i -= 1
+        events.insert(i, (FREE, uid))
 
     def gradient(self, key: int) -> None:
         """Storage ``key`` became a gradient (autograd accumulated it into a parameter's ``.grad``)."""

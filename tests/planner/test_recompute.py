@@ -162,3 +162,19 @@ def test_a_model_with_its_own_checkpointing_runs_every_choice(tmp_path, monkeypa
         assert Composer(runs, ref, gpu("4090"), 1, []).recorded
         meta.backbone.set_grad_checkpointing(True)
         assert not Composer(runs, ref, gpu("4090"), 1, []).recorded
+
+
+def test_a_run_of_frees_is_recorded_in_the_order_its_storages_were_made():
+    """Storages freed with nothing between them (a structure torn down, a garbage collection) go in an order that
+    follows memory addresses, different from run to run: the recording keeps them in the order they were made, so
+    that composed rows (and their simulated allocators) are the same every run."""
+    from memfit.planner.timeline import ALLOC, FREE, Recorder
+
+    rec = Recorder({})
+    for key in (10, 11, 12, 13):
+        rec.alloc(key, 512, False)
+    rec.free(13)
+    rec.alloc(14, 512, False)
+    for key in (12, 14, 10):  # after an allocation: sorted among themselves only
+        rec.free(key)
+    assert rec.events[4:] == [(FREE, 4), (ALLOC, 5, 512, False), (FREE, 1), (FREE, 3), (FREE, 5)]
