@@ -114,13 +114,16 @@ class Composer(RowAllocator):
         return self.runs.run((*key, mb), self._act_plan(plan, mb, "none"), full=False, single=True,
                              record=self.record)
 
+    def _checkpointed(self, choice: str) -> tuple[str, ...]:
+        """The modules checkpointing ``choice`` checkpoints (firstN: worked out each time, no copy of the model)."""
+        return self.regions[choice] if choice in self.regions else \
+            checkpointed_modules(self.runs.meta, self.runs.facts, choice)
+
     def _compose(self, recorded: StepMeasurement, choice: str, epilogue: list[tuple[int, int | None]] | None = None,
                  micro_steps: int = 1) -> StepMeasurement | StepFailed:
-        names = self.regions[choice] if choice in self.regions else \
-            checkpointed_modules(self.runs.meta, self.runs.facts, choice)  # firstN: no copy of the model
         try:
-            k = compose(recorded.timeline, names, selective=choice == "selective", epilogue=epilogue,
-                        micro_steps=micro_steps)
+            k = compose(recorded.timeline, self._checkpointed(choice), selective=choice == "selective",
+                        epilogue=epilogue, micro_steps=micro_steps)
         except CachedTensorMutated as exc:  # the plan cannot train: left out with the reason, as a failed run
             return StepFailed(f"RuntimeError: {exc}")
         # Recomputation repeats the convolutions (and attention) in the share the whole forward/backward has them.
@@ -196,15 +199,6 @@ class Composer(RowAllocator):
         later = sharded_peak(steps[-1], ref_sync.later, row_sync.later)
         return None if first is None or later is None else max(first, later)
 
-    def _anchors(self, plan: Plan, ref: Plan) -> list[tuple[int, int]]:
-        """(micro-batch, micro-steps) of the sharding steps ``plan`` is composed from."""
-        if plan.accumulative_counts > 1 and ref.accumulative_counts == 1 and plan.sharding in ("zero2", "fsdp"):
-            # FSDP without gradient sync keeps unsharded gradients and their reduce buffers across micro-steps:
-            # measured on steps that accumulate, at half the micro-batch (where activations make the peak)
-            # and at the smallest (where the final reduce-scatter's buffers do); the larger composition wins.
-            return [(mb, 2) for mb in sorted({self.half, self.smallest}, reverse=True)]
-        return [(ref.micro_batch, ref.accumulative_counts)]
-
     def _shard(self, plan: Plan, ref: Plan, mb: int, k: int) -> StepMeasurement:
         """``plan``'s sharding's full step of the reference activations at micro-batch ``mb`` and ``k`` micro-steps."""
         # Optimizer offload is its sharding's step with the optimizer's memory on the host (plan_result); ZeRO-2's
@@ -220,7 +214,12 @@ class Composer(RowAllocator):
     def __call__(self, plan: Plan) -> PlanResult:
         ref = self._ref(plan)
         accumulates = plan.accumulative_counts > 1 and ref.accumulative_counts == 1
-        anchors = self._anchors(plan, ref)
+        anchors = [(ref.micro_batch, ref.accumulative_counts)]
+        if accumulates and plan.sharding in ("zero2", "fsdp"):
+            # FSDP without gradient sync keeps unsharded gradients and their reduce buffers across micro-steps:
+            # measured on steps that accumulate, at half the micro-batch (where activations make the peak)
+            # and at the smallest (where the final reduce-scatter's buffers do); the larger composition wins.
+            anchors = [(mb, 2) for mb in sorted({self.half, self.smallest}, reverse=True)]
         peak, without_grads, flops, written, conv, attn = self._line(plan, plan.micro_batch)
         micro = replace(self._act(plan, ref.micro_batch), flops=flops, written=written, conv_flops=conv,
                         attn_flops=attn)

@@ -12,7 +12,7 @@ from memfit.planner.fake import StepMeasurement
 from memfit.planner.recompute import compose
 from memfit.planner.results import allocator_rounding
 from memfit.planner.runs import StepFailed
-from memfit.planner.space import Plan, checkpointed_modules
+from memfit.planner.space import Plan
 
 
 def precision_kind(plan: Plan) -> str:
@@ -98,29 +98,22 @@ class RowAllocator:
         (benchmarks/composed_rows.py): reserved -1.5% .. +2.9% of the rows' own fake steps (were -6.0% .. +11.7%)."""
         if shard.shard_trace is None or not self._composes(plan.activation_checkpointing):
             return None
-        figures = self.sharded(*self._sharded_args(plan, mb, shard, shard_mb))
+        # An optimizer offloaded beside FSDP is its step without the offload (Composer._shard), whose state and step
+        # allocate nothing on the device, fused or not.
+        host_optimizer = plan.offload == "optimizer" and plan.sharding != "zero2"
+        sharding = (plan.sharding, plan.offload, None if host_optimizer else plan.fused_optimizer)
+        figures = self.sharded(shard.shard_trace, activations_key(plan, mb), sharding, not host_optimizer,
+                               min(plan.accumulative_counts, 3), lambda: self._events(plan, mb), mb / shard_mb)
         if figures is None:
             return None
         return replace(act, cuda_allocated=figures[0], cuda_reserved=figures[1], cuda_requested=figures[2])
 
-    def _sharded_args(self, plan: Plan, mb: int, shard: StepMeasurement, shard_mb: int) -> tuple:
-        """What :class:`~memfit.planner.sharded_replay.ShardedRows` takes for :meth:`_sharded_run`."""
-        acts = activations_key(plan, mb)
-        # An optimizer offloaded beside FSDP is its step without the offload (_shard), whose state and step
-        # allocate nothing on the device.
-        host_optimizer = plan.offload == "optimizer" and plan.sharding != "zero2"
-        # (an optimizer on the host: its step runs none of its calls on the device, fused or not)
-        sharding = (plan.sharding, plan.offload, None if host_optimizer else plan.fused_optimizer)
-        return (shard.shard_trace, acts, sharding, not host_optimizer,
-                min(plan.accumulative_counts, 3), lambda: self._events(plan, mb), mb / shard_mb)
-
     def _events(self, plan: Plan, mb: int) -> list[tuple]:
         """The allocations and frees of ``plan``'s composed forward/backward at micro-batch ``mb``, in order."""
-        recorded, choice = self._recorded(plan, mb), plan.activation_checkpointing
-        names = self.regions[choice] if choice in self.regions else \
-            checkpointed_modules(self.runs.meta, self.runs.facts, choice)
+        choice = plan.activation_checkpointing
         events: list[tuple] = []
-        compose(recorded.timeline, names, selective=choice == "selective", events=events)
+        compose(self._recorded(plan, mb).timeline, self._checkpointed(choice), selective=choice == "selective",
+                events=events)
         return events
 
     def _slack_at(self, plan: Plan, shard: StepMeasurement, anchor: tuple[int, int],

@@ -198,9 +198,7 @@ class ShardedRows:
             steps = self._steps.get(id(st))
             if steps is None:
                 steps = self._steps[id(st)] = ShardedSteps(st)
-            self.figures[done] = _figures(steps.run(self._events[1], optimizer, micro_steps, inputs))
+            allocator = steps.run(self._events[1], optimizer, micro_steps, inputs)
+            self.figures[done] = None if allocator is None else \
+                (allocator.peak_allocated, allocator.peak_reserved, allocator.peak_requested)
         return self.figures[done]
-
-
-def _figures(allocator: CachingAllocatorModel | None) -> tuple[int, int, int] | None:
-    return None if allocator is None else (allocator.peak_allocated, allocator.peak_reserved, allocator.peak_requested)
