@@ -36,13 +36,14 @@ from dataclasses import replace
 
 from memfit.errors import ConfigError
 from memfit.planner.block_subsets import block_subsets
+from memfit.planner.compose_all import compose_all
 from memfit.planner.composer import Composer
 from memfit.planner.devices import Device
 from memfit.planner.fake import build_meta_model
 from memfit.planner.inputs import Inputs
 from memfit.planner.levers import allowed_levers, compiled_twins
 from memfit.planner.results import AUTO_FIT_MARGIN, PlanResult, Prediction, fit_margin, plan_result
-from memfit.planner.runs import Runs, StepFailed
+from memfit.planner.runs import Runs, StepFailed, workers
 from memfit.planner.space import PRECISIONS, ModelFacts, Plan, configured_plan, enumerate_plans
 
 
@@ -131,11 +132,11 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
             raise ConfigError(f"the configured plan ({configured.name}) fails in its fake step: {exc}") from None
         results = [plan_result(configured, own, own_fb, device, world_size, configured.accumulative_counts, "measured")]
         failed: dict[str, list[Plan]] = {}
-        for p in compose.in_order(plans):
-            try:
-                results.append(compose(p))
-            except StepFailed as exc:
-                failed.setdefault(str(exc), []).append(p)
+        for p, row in compose_all(compose, plans, workers()):
+            if isinstance(row, StepFailed):
+                failed.setdefault(str(row), []).append(p)
+            else:
+                results.append(row)
         results += block_subsets(results, len(facts.blocks), budget, compose)
         planned = inputs.planned(configured.micro_batch)
         detection = planned.boxes_per_image is not None
