@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Protocol
 
+from memfit.planner.compose_all import groups, in_processes
 from memfit.planner.results import AUTO_FIT_MARGIN, PlanResult
-from memfit.planner.runs import StepFailed
+from memfit.planner.runs import Runs, StepFailed
 from memfit.planner.space import Plan
 
 
@@ -16,30 +17,33 @@ class Composer(Protocol):
     forward/backward, so checkpointing choices compose rather than run."""
 
     recorded: bool
+    runs: Runs
 
     def __call__(self, plan: Plan) -> PlanResult: ...
 
 
-def block_subsets(results: list[PlanResult], blocks: int, budget: int, compose: Composer) -> list[PlanResult]:
+def block_subsets(results: list[PlanResult], blocks: int, budget: int, compose: Composer, processes: int = 1
+                  ) -> list[PlanResult]:
     """The planner's own checkpointing choice: where a plan does not fit without checkpointing but does
     with every block checkpointed, the fewest first blocks (``ac:firstN``) that fit. Composed like any
-    choice from the recorded forward/backward (a bisection over N: the peak falls as blocks are added);
+    choice from the recorded forward/backward (a bisection over N: the peak falls as blocks are added; the
+    plans' bisections in up to ``processes`` processes, :func:`~memfit.planner.compose_all.in_processes`);
     where choices are run instead, peak and time are interpolated by the share of blocks, which errs high
     on pyramids (Swin, ResNet), whose first blocks hold the largest activations. A recommended subset is
     re-run whole like any row."""
     limit = budget * (1 - AUTO_FIT_MARGIN)
     by_rest = {replace(r.plan, activation_checkpointing="none", configured=False): r for r in results
                if r.plan.activation_checkpointing == "blocks"}
-    out = []
+    todo = []
     for r in results:
         full = by_rest.get(replace(r.plan, configured=False)) if r.plan.activation_checkpointing == "none" else None
-        if full is None or blocks < 2 or r.peak_bytes <= limit or full.peak_bytes > limit:
-            continue
-        subset = _fewest_blocks(r.plan, blocks, limit, compose) if compose.recorded else _interpolated(r, full, blocks,
-                                                                                                        limit)
-        if subset is not None:
-            out.append(subset)
-    return out
+        if full is not None and blocks >= 2 and r.peak_bytes > limit and full.peak_bytes <= limit:
+            todo.append((r, full))
+    if not compose.recorded:
+        return [s for r, full in todo if (s := _interpolated(r, full, blocks, limit)) is not None]
+    plans = [r.plan for r, _ in todo]
+    found = in_processes(groups(plans), lambda p: _fewest_blocks(p, blocks, limit, compose), processes, compose.runs)
+    return [found[i] for i in range(len(plans)) if found[i] is not None]
 
 
 def _fewest_blocks(plan: Plan, blocks: int, limit: float, compose: Composer) -> PlanResult | None:

@@ -8,37 +8,34 @@ and the recordings are hundreds of megabytes."""
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeVar
 
 from memfit.planner.composer import Composer
 from memfit.planner.results import PlanResult
 from memfit.planner.row_allocator import activations_key
-from memfit.planner.runs import StepFailed
+from memfit.planner.runs import Runs, StepFailed
 from memfit.planner.space import Plan
 
 Row = PlanResult | StepFailed
+T = TypeVar("T")
+R = TypeVar("R")
+Groups = list[list[tuple[int, T]]]
 
 
-def _groups(plans: list[Plan]) -> list[list[tuple[int, Plan]]]:
-    """``plans`` (with their index) grouped by their activations, costliest group first: a sharded row runs its
-    sharding's step in the simulated allocator, several times the work of another."""
-    groups: dict[tuple, list[tuple[int, Plan]]] = {}
+def groups(plans: list[Plan], key: Callable[[Plan], Any] = lambda p: activations_key(p, p.micro_batch)
+           ) -> Groups[Plan]:
+    """``plans`` (with their index) grouped by ``key`` (their activations), costliest group first: a sharded row
+    runs its sharding's step in the simulated allocator, several times the work of another."""
+    out: dict[Any, list[tuple[int, Plan]]] = {}
     for i, p in enumerate(plans):
-        groups.setdefault(activations_key(p, p.micro_batch), []).append((i, p))
+        out.setdefault(key(p), []).append((i, p))
 
     def cost(group: list[tuple[int, Plan]]) -> int:
         return sum(4 if p.sharding in ("zero2", "fsdp") else 1 for _, p in group)
 
-    return sorted(groups.values(), key=cost, reverse=True)
-
-
-def _row(compose: Composer, plan: Plan) -> Row:
-    try:
-        return compose(plan)
-    except StepFailed as exc:
-        return exc
+    return sorted(out.values(), key=cost, reverse=True)
 
 
 def _taken(counter: Any, n: int) -> Iterator[int]:
@@ -52,44 +49,59 @@ def _taken(counter: Any, n: int) -> Iterator[int]:
         yield g
 
 
-def _serve(conn: Connection, compose: Composer, groups: list[list[tuple[int, Plan]]], counter: Any) -> None:
+def _serve(conn: Connection, runs: Runs, work: Groups, fn: Callable, counter: Any) -> None:
     # Never the parent's fake-step workers: a step missing here (none should be) runs in this process.
-    compose.runs.pool, compose.runs.forked = None, False
-    rows: dict[int, Row] = {}
+    runs.pool, runs.forked = None, False
+    out: dict[int, Any] = {}
     try:
-        for g in _taken(counter, len(groups)):
-            rows.update((i, _row(compose, p)) for i, p in groups[g])
-    except Exception:  # noqa: BLE001 - what is done comes back; the parent composes the rest, where a bug raises
+        for g in _taken(counter, len(work)):
+            out.update((i, fn(x)) for i, x in work[g])
+    except Exception:  # noqa: BLE001 - what is done comes back; the parent does the rest, where a bug raises
         pass
-    conn.send(rows)
+    conn.send(out)
     conn.close()
 
 
-def compose_all(compose: Composer, plans: list[Plan], processes: int) -> list[tuple[Plan, Row]]:
-    """Each of ``plans`` with its row (or the :class:`StepFailed` its composition raised), in :meth:`Composer.in_order`,
-    composed in up to ``processes`` processes (forked where the fake steps' workers are; else here, one by one)."""
-    plans = compose.in_order(plans)
-    groups = _groups(plans)
-    extra = min(processes, len(groups)) - 1
-    if extra < 1 or not compose.runs.forked:
-        return [(p, _row(compose, p)) for p in plans]
+def in_processes(work: Groups[T], fn: Callable[[T], R], processes: int, runs: Runs) -> dict[int, R]:
+    """``fn`` of each item of ``work`` (groups of ``(index, item)``), by index, in up to ``processes`` processes:
+    forked where ``runs``' fake-step workers are (this process has run no backward), else here, one by one. What a
+    process that dies leaves undone is done here. ``fn``'s results are pickled back."""
+    extra = min(processes, len(work)) - 1
+    if extra < 1 or not runs.forked:
+        return {i: fn(x) for group in work for i, x in group}
     ctx = multiprocessing.get_context("fork")
     counter = ctx.Value("i", 0)
     children = []
     for _ in range(extra):
         conn, child = ctx.Pipe(duplex=False)
-        process = ctx.Process(target=_serve, args=(child, compose, groups, counter), daemon=True)
+        process = ctx.Process(target=_serve, args=(child, runs, work, fn, counter), daemon=True)
         process.start()
         child.close()
         children.append((conn, process))
-    rows: dict[int, Row] = {}
-    for g in _taken(counter, len(groups)):
-        rows.update((i, _row(compose, p)) for i, p in groups[g])
+    out: dict[int, R] = {}
+    for g in _taken(counter, len(work)):
+        out.update((i, fn(x)) for i, x in work[g])
     for conn, process in children:
         try:
-            rows.update(conn.recv())
-        except EOFError:  # the process died (out of memory, killed): its groups are composed below
+            out.update(conn.recv())
+        except EOFError:  # the process died (out of memory, killed): its groups are done below
             pass
         conn.close()
         process.join()
-    return [(p, rows[i] if i in rows else _row(compose, p)) for i, p in enumerate(plans)]
+    out.update((i, fn(x)) for group in work for i, x in group if i not in out)
+    return out
+
+
+def _row(compose: Composer, plan: Plan) -> Row:
+    try:
+        return compose(plan)
+    except StepFailed as exc:
+        return exc
+
+
+def compose_all(compose: Composer, plans: list[Plan], processes: int) -> list[tuple[Plan, Row]]:
+    """Each of ``plans`` with its row (or the :class:`StepFailed` its composition raised), in :meth:`Composer.in_order`,
+    composed in up to ``processes`` processes (:func:`in_processes`)."""
+    plans = compose.in_order(plans)
+    rows = in_processes(groups(plans), lambda p: _row(compose, p), processes, compose.runs)
+    return [(p, rows[i]) for i, p in enumerate(plans)]

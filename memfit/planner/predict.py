@@ -137,7 +137,7 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
                 failed.setdefault(str(row), []).append(p)
             else:
                 results.append(row)
-        results += block_subsets(results, len(facts.blocks), budget, compose)
+        results += block_subsets(results, len(facts.blocks), budget, compose, workers())
         planned = inputs.planned(configured.micro_batch)
         detection = planned.boxes_per_image is not None
         _rank(results, budget, device, detection)

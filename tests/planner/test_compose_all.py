@@ -7,23 +7,32 @@ import pytest
 
 from memfit.config import Config
 from memfit.planner import compose_all, predict
-from memfit.planner.devices import gpu
+from memfit.planner.devices import gpu, this_cpu
+from memfit.planner.results import AUTO_FIT_MARGIN
 
 
 def _rows(prediction) -> list[tuple]:
     return [(r.plan, r.peak_bytes, r.allocated, r.reserved, r.seconds, r.fits) for r in prediction.results]
 
 
-@pytest.fixture(scope="module")
-def planned(tiny_config, tmp_path_factory):
-    """The tiny config at 2 ranks (ZeRO-2 and FSDP rows, which run their sharding's step in the simulated allocator)
-    on a 4090, composed here one by one."""
+@pytest.fixture(scope="module", params=["4090", "cpu"])
+def planned(request, tiny_config, tmp_path_factory):
+    """The tiny config at 2 ranks, composed here one by one: for a 4090 (ZeRO-2 and FSDP rows run their sharding's
+    step in the simulated allocator), and for this CPU in a budget where a plan fits with its blocks checkpointed
+    but not without (the planner then searches the fewest first blocks, ``ac:firstN``, that fit). Returns
+    ``(predict's arguments, its prediction)``."""
     cfg = Config.fromfile(str(tiny_config(tmp_path_factory.mktemp("tiny")))).to_dict()
-    return cfg, predict.predict(cfg, device=gpu("4090"), world_size=2, verify=False)
+    args = dict(device=gpu("4090") if request.param == "4090" else this_cpu(), world_size=2, verify=False)
+    if request.param == "cpu":
+        rows = {r.plan.name: r.peak_bytes for r in predict.predict(cfg, **args).results}
+        none, blocks = rows["fp32 fsdp mb1x1"], rows["fp32 ac:blocks fsdp mb1x1"]
+        assert blocks < none
+        args["budget"] = int((none + blocks) / 2 / (1 - AUTO_FIT_MARGIN))
+    return cfg, args, predict.predict(cfg, **args)
 
 
 def test_rows_composed_in_two_processes_equal_those_composed_in_one(planned, monkeypatch, tmp_path):
-    cfg, serial = planned
+    cfg, args, serial = planned
     pids = tmp_path / "pids"
     row = compose_all._row
 
@@ -34,22 +43,24 @@ def test_rows_composed_in_two_processes_equal_those_composed_in_one(planned, mon
 
     monkeypatch.setattr(compose_all, "_row", logged)
     monkeypatch.setattr(predict, "workers", lambda: 2)  # the fake steps still run here (MEMFIT_PLAN_WORKERS=1)
-    forked = predict.predict(cfg, device=gpu("4090"), world_size=2, verify=False)
+    forked = predict.predict(cfg, **args)
     assert _rows(forked) == _rows(serial)
     assert any(r.plan.sharding == "fsdp" for r in serial.results) and len(serial.results) > 20
     assert len(set(pids.read_text().split())) == 2  # both processes composed rows
+    if "budget" in args:
+        assert any(r.plan.activation_checkpointing == "first1" for r in serial.results)
 
 
 def test_rows_of_a_process_that_died_are_composed_here(planned, monkeypatch):
-    cfg, serial = planned
+    cfg, args, serial = planned
 
-    def dies(conn, compose, groups, counter):
-        next(compose_all._taken(counter, len(groups)))  # takes the costliest group, then is killed
+    def dies(conn, runs, work, fn, counter):
+        next(compose_all._taken(counter, len(work)))  # takes the costliest group, then is killed
         os._exit(1)
 
     monkeypatch.setattr(compose_all, "_serve", dies)
     monkeypatch.setattr(predict, "workers", lambda: 2)
-    assert _rows(predict.predict(cfg, device=gpu("4090"), world_size=2, verify=False)) == _rows(serial)
+    assert _rows(predict.predict(cfg, **args)) == _rows(serial)
 
 
 def test_groups_keep_rows_of_one_activations_together_costliest_first():
@@ -57,5 +68,5 @@ def test_groups_keep_rows_of_one_activations_together_costliest_first():
 
     plans = [Plan("bf16", "none", "none", "none", False, 4, 1), Plan("bf16", "blocks", "fsdp", "none", False, 4, 1),
              Plan("bf16", "blocks", "none", "none", False, 4, 1), Plan("fp32", "none", "none", "none", False, 4, 1)]
-    groups = compose_all._groups(plans)
+    groups = compose_all.groups(plans)
     assert [[i for i, _ in g] for g in groups] == [[1, 2], [0], [3]]
