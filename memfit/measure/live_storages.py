@@ -45,6 +45,10 @@ class LiveStorages(TorchDispatchMode):
         # The peak of all but the gradients: what a later micro-step of gradient accumulation adds to the whole
         # gradients it finds (its own accumulate in place), wherever in its backward that is.
         self.peak_without_grads = 0
+        # Of the gradients, FSDP's sharded ones (:meth:`mark_sharded`), which its CPU offload keeps on the host: their
+        # bytes now and at the peak (its unsharded gradients, accumulated while sync is off, stay on the device).
+        self.sharded: set[int] = set()
+        self.sharded_grads = self.peak_sharded_grads = 0
         self.serial = 0
         self.peak_serial = 0
         self.host = 0
@@ -83,6 +87,7 @@ class LiveStorages(TorchDispatchMode):
                 entry[1] = n
                 self.host_peak = max(self.host_peak, self.host)
             elif n != entry[1]:  # resized in place (aten.resize_, storage.resize_)
+                self.sharded_grads += n - entry[1] if key in self.sharded else 0
                 self.current[entry[2]] += n - entry[1]
                 self.total += n - entry[1]
                 entry[1] = n
@@ -141,6 +146,9 @@ class LiveStorages(TorchDispatchMode):
         old = entry[2]
         if old == category or (only_from is not None and old not in only_from) or old == HOST:
             return
+        if id(st) in self.sharded:  # gradients no more
+            self.sharded.discard(id(st))
+            self.sharded_grads -= entry[1]
         if category == HOST:
             self._to_host(st, entry, retroactive)
             return
@@ -152,6 +160,17 @@ class LiveStorages(TorchDispatchMode):
             moved = min(entry[1], self.peak_breakdown[old])
             self.peak_breakdown[old] -= moved
             self.peak_breakdown[category] += moved
+
+    def mark_sharded(self, st: torch.UntypedStorage, retroactive: bool = False) -> None:
+        """``st``, counted as gradients, holds sharded gradients (FSDP's, on the host under its CPU offload);
+        ``retroactive``: also at the peak if it was alive then."""
+        entry = self.live.get(id(st))
+        if entry is None or entry[2] != "gradients" or id(st) in self.sharded:
+            return
+        self.sharded.add(id(st))
+        self.sharded_grads += entry[1]
+        if retroactive and entry[3] <= self.peak_serial:
+            self.peak_sharded_grads = min(self.peak_sharded_grads + entry[1], self.peak_breakdown["gradients"])
 
     def _to_host(self, st: torch.UntypedStorage, entry: list[Any], retroactive: bool) -> None:
         """A storage counted on the device turns out to be host memory: out of the device's figures."""
@@ -177,6 +196,9 @@ class LiveStorages(TorchDispatchMode):
             self.host -= entry[1]
         elif entry is not None and entry[0] is ref:
             del self.live[key]
+            if key in self.sharded:
+                self.sharded.discard(key)
+                self.sharded_grads -= entry[1]
             if self.allocator is not None:
                 self.allocator.free(key)
             if self.timeline is not None:
@@ -212,6 +234,7 @@ class LiveStorages(TorchDispatchMode):
             self.peak = self.total
             self.peak_breakdown = dict(self.current)
             self.peak_serial = self.serial
+            self.peak_sharded_grads = self.sharded_grads
 
     def _communication(self, storages: Iterable[torch.UntypedStorage]) -> None:
         for st in storages:
@@ -227,6 +250,7 @@ class LiveStorages(TorchDispatchMode):
         self.peak = self.total
         self.peak_breakdown = dict(self.current)
         self.peak_serial = self.serial
+        self.peak_sharded_grads = self.sharded_grads
         self.peak_without_grads = self.total - self.current["gradients"]
         # Storage.resize_ bypasses the dispatcher (FSDP2 allocates and frees its unsharded parameters
         # with it); torch's MemTracker patches it the same way.

@@ -219,6 +219,9 @@ class MemoryTracker:
             self._mode.grads_pending = False
             for st in storages(self._grads(optimizer)):
                 self._mode.relabel(st, "gradients", retroactive=True)
+            if self._fsdp:  # the registered parameters' gradients are FSDP's sharded ones
+                for st in storages([p.grad for p in self._param_list]):
+                    self._mode.mark_sharded(st, retroactive=True)
             self._mode.update_peak()
 
     def _on_step_begin(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -253,18 +256,18 @@ class MemoryTracker:
         return out
 
     # -- output -------------------------------------------------------------------------------------
-    def peak_so_far(self) -> tuple[int, dict[str, int]]:
-        """(peak bytes, breakdown at that peak) since entry or the last :meth:`reset_peak`, inside the
-        block (live-storage tracker only): how the planner splits a step into phases."""
+    def peak_so_far(self) -> tuple[int, dict[str, int], int]:
+        """(peak bytes, breakdown at that peak, FSDP's sharded gradients of its gradients) since entry or the last
+        :meth:`reset_peak`, inside the block (live-storage tracker only): how the planner splits a step into phases."""
         mode = self._mode
         assert mode is not None, "peak_so_far() is for the CPU/fake tracker, inside the with block"
-        return mode.peak, dict(mode.peak_breakdown)
+        return mode.peak, dict(mode.peak_breakdown), mode.peak_sharded_grads
 
     def reset_peak(self) -> None:
         """Start a new peak from the bytes alive now (``torch.cuda.reset_peak_memory_stats``'s twin)."""
         mode = self._mode
         assert mode is not None, "reset_peak() is for the CPU/fake tracker, inside the with block"
-        mode.peak, mode.peak_breakdown = mode.total, dict(mode.current)
+        mode.peak, mode.peak_breakdown, mode.peak_sharded_grads = mode.total, dict(mode.current), mode.sharded_grads
 
     def report(self) -> str:
         """The breakdown at the peak as a small table in MB (2**20 bytes)."""

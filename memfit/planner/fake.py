@@ -51,10 +51,12 @@ INPUT_STREAM = "input copy"  # the simulated allocator's name for the Runner's c
 
 @dataclass
 class Phase:
-    """Peak bytes of a phase and the tracker's breakdown at that peak."""
+    """Peak bytes of a phase and the tracker's breakdown at that peak; ``sharded_grads``: of its gradients, FSDP's
+    sharded ones (on the host under FSDP's CPU offload)."""
 
     peak: int = 0
     breakdown: dict[str, int] = field(default_factory=dict)
+    sharded_grads: int = 0
 
 
 @dataclass
@@ -78,20 +80,18 @@ class StepMeasurement:
     # A recorded forward/backward (measure_step's ``record``), from which checkpointing choices are composed.
     timeline: Any = None
     host_peak: int = 0  # host memory an offloaded optimizer held (not in ``peak``)
+    sharded_grads: int = 0  # of the gradients at ``peak``, FSDP's sharded ones (as Phase's)
     conv_flops: int = 0
     attn_flops: int = 0  # of ``flops``: fused attention's
     step_ops: int = 0  # operators of one optimizer step (foreach: a few per list; fused: one per list)
     step_tensors: int = 0  # parameter tensors the optimizer steps (this rank's)
     recompute_ops: int = 0  # a composed forward/backward: the operators its recomputation adds (of ``ops``)
-    # A one-step full run on a CUDA target: the simulated allocator's calls of its optimizer step and after
-    # (:func:`optimizer_epilogue`), which a composed row's allocator replay runs between its two steps.
+    # A one-step full run on a CUDA target: its optimizer step's allocator calls (optimizer_epilogue), for replays.
     epilogue: list[tuple[int, int | None]] | None = None
-    # A composed run: the bytes its allocator replay requested at their peak (rounding is allocated less these).
-    cuda_requested: int = 0
+    cuda_requested: int = 0  # a composed run: the bytes its allocator replay requested at their peak
     # A forward/backward run: the peak of all but the gradients (what a later micro-step adds to whole gradients).
     peak_without_grads: int = 0
-    # A forward/backward run on a CUDA target: where its step began in the simulated allocator's calls, and
-    # the calls (CachingAllocatorModel.calls), for a replay of two steps (memfit.planner.predict).
+    # A forward/backward run on a CUDA target: where its step began in its allocator calls, and the calls.
     allocator_calls: tuple[int, tuple] | None = None
     # A full run with ``record`` (or a composed forward/backward): its tracked bytes at the sync points of its
     # micro-steps' forward/backward (memfit.planner.sync_points), in its forward/backward phase's terms.
@@ -335,7 +335,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
     flops_per_micro = counter.flops // (counts if full else 1)
     calls = (first, allocator.calls()) if allocator is not None and not full and record is None else None
     return StepMeasurement(epilogue=epilogue, allocator_calls=calls,
-                           peak=overall.peak, breakdown=overall.breakdown,
+                           peak=overall.peak, breakdown=overall.breakdown, sharded_grads=overall.sharded_grads,
                            forward_backward=phases.fb if full else overall, optimizer=phases.opt,
                            flops=flops_per_micro, ops=counter.ops // (counts if full else 1),
                            conv_flops=counter.conv_flops // (counts if full else 1), step_ops=counter.step_ops,

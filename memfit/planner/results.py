@@ -10,7 +10,7 @@ from typing import Any
 from memfit.planner import devices
 from memfit.planner.cost import ModelState, step_seconds
 from memfit.planner.devices import Device
-from memfit.planner.fake import Phase, StepMeasurement
+from memfit.planner.fake import StepMeasurement
 from memfit.planner.inputs import PlannedInput
 from memfit.planner.levers import Levers, memory_source
 from memfit.planner.space import Plan
@@ -89,9 +89,12 @@ def device_figures(tracked: int, breakdown: dict[str, int], device: Device, worl
     return reserved + out["cuda_context"] + out["nccl"], out, allocated, reserved
 
 
-def _offloaded(breakdown: dict[str, int]) -> dict[str, int]:
-    """A phase's breakdown with the sharded parameters, gradients and optimizer state on the host."""
-    return {**breakdown, "parameters": 0, "gradients": 0, "optimizer_state": 0}
+def _offloaded(breakdown: dict[str, int], sharded_grads: int) -> dict[str, int]:
+    """A phase's breakdown under FSDP's CPU offload: the sharded parameters, gradients (``sharded_grads`` of its
+    gradients) and optimizer state on the host. The unsharded gradients, which a step accumulating without
+    gradient sync keeps, stay on the device."""
+    return {**breakdown, "parameters": 0, "gradients": max(0, breakdown.get("gradients", 0) - sharded_grads),
+            "optimizer_state": 0}
 
 
 def model_state(m: StepMeasurement) -> ModelState:
@@ -116,14 +119,16 @@ def plan_result(plan: Plan, step: StepMeasurement, micro: StepMeasurement, devic
     fb = dict(step.forward_backward.breakdown)
     fb["activations"] = fb.get("activations", 0) + fb_delta
     fb["gradients"] = fb.get("gradients", 0) + fb_grads
-    phases = [(step.forward_backward.peak + fb_delta + fb_grads, fb),
-              (step.optimizer.peak, dict(step.optimizer.breakdown))]
+    phases = [(step.forward_backward.peak + fb_delta + fb_grads, fb, step.forward_backward.sharded_grads),
+              (step.optimizer.peak, dict(step.optimizer.breakdown), step.optimizer.sharded_grads)]
     if source == "measured":  # the plan's own step: the first step's peak counts too
-        phases.append((step.peak, dict(step.breakdown)))
+        phases.append((step.peak, dict(step.breakdown), step.sharded_grads))
     if plan.offload == "params" and device.cuda:
-        phases = [(sum(_offloaded(b).values()), _offloaded(b)) for _, b in phases]
+        phases = [(sum(_offloaded(b, g).values()), _offloaded(b, g)) for _, b, g in phases]
     elif plan.offload == "optimizer":  # as the tracker counts it: the state and the step's temporaries on the host
-        phases = [(peak - b.get("optimizer_state", 0), {**b, "optimizer_state": 0}) for peak, b in phases]
+        phases = [(peak - b.get("optimizer_state", 0), {**b, "optimizer_state": 0}) for peak, b, _ in phases]
+    else:
+        phases = [(peak, b) for peak, b, _ in phases]
     tracked, breakdown = max(phases, key=lambda pb: pb[0])
     # The allocator's rounding and slack: the plan's own step's, else its activations' forward/backward's.
     run = allocator_run or (step if source == "measured" else micro)
@@ -177,5 +182,6 @@ def inputs_at(shard: StepMeasurement, scale: float) -> StepMeasurement:
     fb = shard.forward_backward.breakdown  # its peak stays: the activations' line has the batches in it
     fb = {**fb, "inputs": int(fb.get("inputs", 0) * scale),
           "activations": fb.get("activations", 0) + fb.get("inputs", 0) - int(fb.get("inputs", 0) * scale)}
-    return replace(shard, optimizer=Phase(shard.optimizer.peak - inputs + scaled, {**b, "inputs": scaled}),
-                   forward_backward=Phase(shard.forward_backward.peak, fb))
+    return replace(shard, optimizer=replace(shard.optimizer, peak=shard.optimizer.peak - inputs + scaled,
+                                            breakdown={**b, "inputs": scaled}),
+                   forward_backward=replace(shard.forward_backward, breakdown=fb))
