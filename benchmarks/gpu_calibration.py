@@ -66,6 +66,8 @@ CASES: list[tuple[str, str, list[str], str]] = [
         "bf16 ac:selective mb64x1", "bf16 mb32x2", "bf16 ac:blocks mb32x2")],
     ("swin-b bf16 fsdp (one rank)", str(SWIN_L), ["model.model_name=swin_base_patch4_window7_224"], "bf16 fsdp mb32x1"),
     ("deit-b bf16 offload:optimizer", str(VIT), DEIT_B, "bf16 offload:optimizer mb64x1"),
+    # FSDP's CPU offload accumulating: the unsharded gradients it keeps while sync is off stay on the device.
+    ("deit-b bf16 fsdp offload:params mb32x2 (one rank)", str(VIT), DEIT_B, "bf16 fsdp offload:params mb32x2"),
 ]
 # The cases whose allocator trace ``measure --trace`` records (two steps from an empty allocator).
 TRACED = ("vit-l bf16 mb64x1", "vit-l bf16 ac:blocks mb64x1", "vit-l bf16 ac:every2 mb64x1",

@@ -4,8 +4,8 @@
 #   OUT=DIR bash benchmarks/gpu_slot.sh [CASES [TRACES [LATER]]]
 # Stages, in this order, each given what is left of SLOT_S (a stage that would get under 20 s is skipped):
 #   calibrate: this GPU's step-time profile (memfit bench --calibrate; 26 s on an H100);
-#   measure:   gpu_calibration.py's cases CASES (default: ViT-L's eight rows, Swin-L's eight, Swin-B under FSDP and
-#              DeiT-B with its optimizer offloaded), 8 timed steps each, every step's time kept, one more step
+#   measure:   gpu_calibration.py's cases CASES (default: ViT-L's eight rows, Swin-L's eight, Swin-B under FSDP,
+#              DeiT-B with its optimizer offloaded and under FSDP's CPU offload accumulating), 8 timed steps each, every step's time kept, one more step
 #              profiled (host against device); the cases of one config in one process, each from an empty caching
 #              allocator (GROUP=0: a process per case, 17-26 s each on an H100, about 380 s in all; DINO's rows
 #              always alone, 27-67 s, the first with the Triton kernel's compilation);
@@ -21,7 +21,7 @@
 # stages.txt (each stage's seconds), profile.json, measured.json, trace_<i>.json.gz, later/measured.json, logs.
 set -u
 OUT=${OUT:-benchmarks/results/gpu_slot}
-CASES=${1:-18,19,20,21,22,23,24,25,0,1,2,3,4,5,6,7,26,27}
+CASES=${1:-18,19,20,21,22,23,24,25,0,1,2,3,4,5,6,7,26,27,28}
 TRACES=${2-}
 LATER=${3-}
 CHECKS=${CHECKS:-}

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 
-SLOT = [18, 19, 20, 21, 22, 23, 24, 25, 0, 1, 2, 3, 4, 5, 6, 7, 26, 27]  # benchmarks/gpu_slot.sh's default
+SLOT = [18, 19, 20, 21, 22, 23, 24, 25, 0, 1, 2, 3, 4, 5, 6, 7, 26, 27, 28]  # benchmarks/gpu_slot.sh's default
 
 
 def test_cases_of_one_config_share_a_process(bench_script):
     cal = bench_script("gpu_calibration")
-    assert cal.case_groups(SLOT) == [SLOT[:8], SLOT[8:16], [26], [27]]  # ViT-L, Swin-L, Swin-B, DeiT-B
+    assert cal.case_groups(SLOT) == [SLOT[:8], SLOT[8:16], [26], [27, 28]]  # ViT-L, Swin-L, Swin-B, DeiT-B
     assert cal.case_groups([12, 13, 14]) == [[12], [13], [14]]  # DINO's rows: each alone
     assert cal.case_groups([0, 18, 1]) == [[0], [18], [1]]  # only consecutive cases
 
