@@ -8,6 +8,7 @@ and the recordings are hundreds of megabytes."""
 from __future__ import annotations
 
 import multiprocessing
+import signal
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
@@ -52,6 +53,7 @@ def _taken(counter: Any, n: int) -> Iterator[int]:
 def _serve(conn: Connection, runs: Runs, work: Groups, fn: Callable, counter: Any) -> None:
     # Never the parent's fake-step workers: a step missing here (none should be) runs in this process.
     runs.pool, runs.forked = None, False
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle (this daemon ends with it)
     out: dict[int, Any] = {}
     try:
         for g in _taken(counter, len(work)):

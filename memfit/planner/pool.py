@@ -14,6 +14,7 @@ neither ``concurrent.futures`` nor ``multiprocessing.Pool`` lets the caller choo
 from __future__ import annotations
 
 import multiprocessing
+import signal
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -36,6 +37,7 @@ class WorkerDied(RuntimeError):
 
 
 def _serve(conn: Connection, initializer: Callable[..., None], initargs: tuple) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it closes the pool
     initializer(*initargs)
     while True:
         try:

@@ -81,3 +81,19 @@ def test_a_steps_exception_comes_back_and_a_dead_worker_is_one_line():
             _run(pool, {"dies": Job(_die, (), 1.0)})
     finally:
         pool.close()
+
+
+def test_ctrl_c_is_the_parents_a_worker_ignores_it_and_goes_on():
+    """Ctrl-C reaches every process of the terminal's group: the workers leave it to the parent, which stops and
+    closes the pool (a worker printed its own KeyboardInterrupt traceback before)."""
+    import signal
+
+    pool = Pool(1, _init)
+    try:
+        time.sleep(0.5)  # the worker waits for a job
+        os.kill(pool.workers[0].process.pid, signal.SIGINT)
+        time.sleep(0.5)
+        out = _run(pool, {"after": Job(_pid_after, (0.0,), 1.0)})
+        assert out["after"] == pool.workers[0].process.pid
+    finally:
+        pool.close()
