@@ -67,6 +67,32 @@ def _copy(row: list[tuple[Any, Any, Any]], c: int) -> list[tuple[Any, Any, Any]]
     return out
 
 
+class _Shares:
+    """Where in a stretch's composed ``events`` a sharding call goes that came after ``seen`` = (allocations, frees)
+    of the ``model``'s (its stretch's totals) in the recorded step: after the same share of the row's allocations,
+    then through the frees that follow (up to the same share of its frees) before its next allocation. Allocations
+    and frees apart: a checkpointed row's backward stretch starts with the recomputation's frees, which come before
+    the next unit's all-gather, as the row's own step makes them. The reference's own events give back the recorded
+    order."""
+
+    def __init__(self, events: list[tuple[Any, Any, Any]], model: tuple[int, int]) -> None:
+        self.model = model
+        self.mallocs = [i for i, ev in enumerate(events) if ev[1] is not None and ev[1] != _GRAD]
+        self.freed = [0]  # frees among the first i events
+        for ev in events:
+            self.freed.append(self.freed[-1] + (ev[1] is None))
+
+    def __call__(self, seen: tuple[int, int]) -> int:
+        (made, freed), (model_made, model_freed) = seen, self.model
+        k = len(self.mallocs) * made // model_made if model_made else 0
+        at = self.mallocs[k - 1] + 1 if k else 0
+        stop = self.mallocs[k] if k < len(self.mallocs) else len(self.freed) - 1
+        want = self.freed[-1] * freed // model_freed if model_freed else 0
+        while at < stop and self.freed[at] < want:
+            at += 1
+        return at
+
+
 class RowCalls:
     """A composed row's calls (``recompute.compose``'s events) split at its sync points, as each micro-step of
     gradient accumulation runs them (:func:`_copy`), each made once; ``grads``: its gradients' keys, in order."""
@@ -91,24 +117,25 @@ class ShardedSteps:
         self.st = st
         handed = _handed(st)
         cuts = [st.first, *st.points, st.end]
-        # per stretch: (its model calls, [(model calls before, key, nbytes, stream, gradient handed or -1)])
-        self.stretches: list[tuple[int, list[tuple[int, Any, Any, Any, int]]]] = []
+        # per stretch: (its model allocations and frees, [(model allocations and frees before, key, nbytes, stream,
+        # gradient handed or -1)])
+        self.stretches: list[tuple[tuple[int, int], list[tuple[tuple[int, int], Any, Any, Any, int]]]] = []
         mine: set[Hashable] = set()  # the storages the sharding made: its own, whoever frees them
         for lo, hi in zip(cuts, cuts[1:]):
-            own, seen = [], 0
+            own, made, freed = [], 0, 0
             for i in range(lo, hi):
                 key, nbytes = st.trace[i]
                 # the batches (on their copy stream) are the step's, at the row's micro-batch (``run``)
                 if not st.own[i - st.first] and not (nbytes is None and key in mine) and \
                         st.streams.get(i, 0) != INPUT_STREAM:
-                    seen += 1
+                    made, freed = (made, freed + 1) if nbytes is None else (made + 1, freed)
                     continue
                 if nbytes is None:
                     mine.discard(key)
                 else:
                     mine.add(key)
-                own.append((seen, key, nbytes, st.streams.get(i, 0), handed.get(i, -1)))
-            self.stretches.append((seen, own))
+                own.append(((made, freed), key, nbytes, st.streams.get(i, 0), handed.get(i, -1)))
+            self.stretches.append(((made, freed), own))
 
     def run(self, row: list[tuple[Any, Any, Any]] | RowCalls, optimizer: bool = True, micro_steps: int = 1,
             inputs: float = 1.0) -> CachingAllocatorModel | None:
@@ -153,10 +180,9 @@ class ShardedSteps:
 
         for c, (group, rows) in enumerate(zip(groups, steps)):
             for (model, own), events in zip(group, rows):
-                done = 0
+                done, at = 0, _Shares(events, model)
                 for seen, key, nbytes, stream, handed in own:
-                    # the row's calls up to the same share of the stretch's model calls, then the sharding's
-                    upto = len(events) * seen // model if model else 0
+                    upto = at(seen)
                     if upto > done:
                         run_row(events[done:upto])
                         done = upto

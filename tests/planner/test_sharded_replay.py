@@ -81,3 +81,20 @@ def test_rows_of_one_sharding_and_activations_run_once():
     own = _own_step(st)
     assert first == again == (own.peak_allocated, own.peak_reserved, own.peak_requested)
     assert made == [1]
+
+
+def test_a_sharding_call_goes_after_the_frees_that_precede_the_rows_next_allocation():
+    """The recorded stretch: two allocations, a free, the sharding's all-gather, one more allocation. A checkpointed
+    row's stretch starts with its recomputation's frees: the all-gather goes after the same share of the row's
+    allocations, then of its frees (here all five come before its third allocation), not at the same share of all
+    its calls (where it came before most of the frees, and found no free block for itself)."""
+    from memfit.planner.sharded_replay import _Shares
+
+    row = [("a", 1, 0), ("b", 1, 0), *[(f"r{i}", None, 0) for i in range(5)], ("c", 1, 0), ("d", 1, 0)]
+    # recorded: made 2 and freed 1 (of 3 made, 1 freed) when the all-gather came
+    at = _Shares(row, (3, 1))
+    assert at((2, 1)) == 7  # after the 2 of the row's 4 allocations, then its 5 frees: before "c"
+    assert at((0, 0)) == 0 and at((3, 1)) == 9  # after all: the end
+    # the reference's own calls: the recorded order back
+    ref = [("a", 1, 0), ("b", 1, 0), ("r0", None, 0), ("c", 1, 0)]
+    assert _Shares(ref, (3, 1))((2, 1)) == 3 and _Shares(ref, (3, 1))((2, 0)) == 2
