@@ -6,11 +6,11 @@ what a row's activations leave free there is not what they leave on one device. 
 reference activations recorded its allocator calls, each tagged the sharding's own or the model's operators'
 (:class:`~memfit.planner.sync_points.ShardTrace`), with the sync points between them. :class:`ShardedSteps` runs
 that step with the model's calls of each stretch between two points replaced by the row's composed ones of the
-same stretch: the sharding's calls stay where they were among the activations' (at the same share of the
-stretch's model calls), and the whole gradients it frees at a reduce-scatter are the row's gradients, in the
-order they are made. Then the optimizer's calls, and the whole step again on the segments it left, as the
-sharding's own step is replayed (:meth:`CachingAllocatorModel.replay`). The reference activations give back
-the sharding's own step, call for call.
+same stretch: the sharding's calls stay where they were among the activations' (:class:`_Shares`: after the same
+share of the stretch's model allocations, then of its frees), and the whole gradients it frees at a reduce-scatter
+are the row's gradients, in the order they are made. Then the optimizer's calls, and the whole step again on the
+segments it left, as the sharding's own step is replayed (:meth:`CachingAllocatorModel.replay`). The reference
+activations give back the sharding's own step, call for call.
 """
 
 from __future__ import annotations
