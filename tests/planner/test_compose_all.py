@@ -70,3 +70,25 @@ def test_groups_keep_rows_of_one_activations_together_costliest_first():
              Plan("bf16", "blocks", "none", "none", False, 4, 1), Plan("fp32", "none", "none", "none", False, 4, 1)]
     groups = compose_all.groups(plans)
     assert [[i for i, _ in g] for g in groups] == [[1, 2], [0], [3]]
+
+
+def test_a_row_that_fails_in_a_forked_process_is_left_out_with_its_reason(planned, monkeypatch):
+    """A composition's StepFailed comes back from the process that raised it (pickled) and the plan is left out
+    with its reason, as when composed here."""
+    from memfit.planner.composer import Composer
+
+    cfg, args, _ = planned
+    call = Composer.__call__
+
+    def fails_for_fsdp(self, plan):
+        if plan.sharding == "fsdp" and not self.runs.collecting:  # composed, not while the steps are collected
+            raise predict.StepFailed("RuntimeError: not this one")
+        return call(self, plan)
+
+    monkeypatch.setattr(Composer, "__call__", fails_for_fsdp)
+    serial = predict.predict(cfg, **args)
+    monkeypatch.setattr(predict, "workers", lambda: 2)
+    forked = predict.predict(cfg, **args)
+    assert _rows(forked) == _rows(serial) and not any(r.plan.sharding == "fsdp" and r.source == "composed"
+                                                      for r in forked.results)
+    assert forked.notes == serial.notes and any("not this one" in n for n in forked.notes)
