@@ -25,13 +25,12 @@ R = TypeVar("R")
 Groups = list[list[tuple[int, T]]]
 
 
-def groups(plans: list[Plan], key: Callable[[Plan], Any] = lambda p: activations_key(p, p.micro_batch)
-           ) -> Groups[Plan]:
-    """``plans`` (with their index) grouped by ``key`` (their activations), costliest group first: a sharded row
-    runs its sharding's step in the simulated allocator, several times the work of another."""
-    out: dict[Any, list[tuple[int, Plan]]] = {}
+def groups(plans: list[Plan]) -> Groups[Plan]:
+    """``plans`` (with their index) grouped by their activations, costliest group first: a sharded row runs its
+    sharding's step in the simulated allocator, several times the work of another."""
+    out: dict[tuple, list[tuple[int, Plan]]] = {}
     for i, p in enumerate(plans):
-        out.setdefault(key(p), []).append((i, p))
+        out.setdefault(activations_key(p, p.micro_batch), []).append((i, p))
 
     def cost(group: list[tuple[int, Plan]]) -> int:
         return sum(4 if p.sharding in ("zero2", "fsdp") else 1 for _, p in group)

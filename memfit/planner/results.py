@@ -180,8 +180,8 @@ def inputs_at(shard: StepMeasurement, scale: float) -> StepMeasurement:
         return shard
     scaled = int(inputs * scale)
     fb = shard.forward_backward.breakdown  # its peak stays: the activations' line has the batches in it
-    fb = {**fb, "inputs": int(fb.get("inputs", 0) * scale),
-          "activations": fb.get("activations", 0) + fb.get("inputs", 0) - int(fb.get("inputs", 0) * scale)}
+    fb_inputs = int(fb.get("inputs", 0) * scale)
+    fb = {**fb, "inputs": fb_inputs, "activations": fb.get("activations", 0) + fb.get("inputs", 0) - fb_inputs}
     return replace(shard, optimizer=replace(shard.optimizer, peak=shard.optimizer.peak - inputs + scaled,
                                             breakdown={**b, "inputs": scaled}),
                    forward_backward=replace(shard.forward_backward, breakdown=fb))

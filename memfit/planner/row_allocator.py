@@ -138,8 +138,7 @@ class RowAllocator:
         calls were kept."""
         act = self._act(plan, mb)
         micro_steps = min(micro_steps, 2)  # the third and later micro-steps find the segments the second left
-        full_key = ("two steps", precision_kind(plan), plan.activation_checkpointing, plan.efficient_conv_bn_eval,
-                    plan.channels_last, mb, key, micro_steps)
+        full_key = ("two steps", *activations_key(plan, mb), key, micro_steps)
         if full_key in self.composed:
             out = self.composed[full_key]
         elif not self._composes(plan.activation_checkpointing):  # the run's own allocator calls
