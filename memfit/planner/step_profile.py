@@ -30,39 +30,75 @@ def family(kernel: str) -> str:
     return next((f for f, keys in _FAMILIES if any(k.lower() in low for k in keys)), "other")
 
 
+def _merged(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``intervals`` (start, end) with overlapping ones joined, in order."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
 def _union_ns(intervals: list[tuple[int, int]]) -> int:
     """Nanoseconds covered by ``intervals`` (start, end), overlaps counted once."""
-    total, end = 0, None
-    for start, stop in sorted(intervals):
-        if end is None or start > end:
-            total += stop - start
-            end = stop
-        elif stop > end:
-            total += stop - end
-            end = stop
-    return total
+    return sum(b - a for a, b in _merged(intervals))
 
 
-def summarize(events: list[Any], wall_s: float) -> dict[str, Any]:
+def _windows(device: list[tuple[int, int]], host: dict[str, list[tuple[int, int]]], count: int) -> dict[str, Any]:
+    """The step cut into ``count`` equal spans of time: in each, the device's busy seconds and, for each kind of host
+    event, how many began there (and the seconds of synchronisations and launches begun there). What the totals
+    hide: a step whose first half keeps the device busy and whose second leaves it waiting for Python (a
+    detector's backbone, then its heads and matching)."""
+    spans = device + [iv for ivs in host.values() for iv in ivs]
+    t0, t1 = min(a for a, _ in spans), max(b for _, b in spans)
+    width = max(1, -(-(t1 - t0) // count))
+
+    def index(t: int) -> int:
+        return min(count - 1, (t - t0) // width)
+
+    busy = [0] * count
+    for a, b in _merged(device):
+        for w in range(index(a), index(max(a, b - 1)) + 1):
+            lo, hi = t0 + w * width, t0 + (w + 1) * width
+            busy[w] += max(0, min(b, hi) - max(a, lo))
+    out: dict[str, Any] = {"window_s": width / 1e9, "device_busy_s": [ns / 1e9 for ns in busy]}
+    for kind, ivs in host.items():
+        n, ns = [0] * count, [0] * count
+        for a, b in ivs:
+            n[index(a)] += 1
+            ns[index(a)] += b - a
+        out[kind] = n
+        if kind != "aten_ops":  # operators nest (a linear's addmm inside it): their seconds would count twice
+            out[f"{kind}_s"] = [x / 1e9 for x in ns]
+    return out
+
+
+def summarize(events: list[Any], wall_s: float, windows: int = 20) -> dict[str, Any]:
     """The step's figures from profiler events (objects with ``name()``, ``device_type()``, ``start_ns()`` and
-    ``duration_ns()``, as ``torch.profiler``'s kineto results hold them)."""
-    device, kernels, ops, sync_ns, launch_ns, families = [], 0, 0, 0, 0, {}
+    ``duration_ns()``, as ``torch.profiler``'s kineto results hold them); ``timeline``: the same figures in
+    ``windows`` spans of the step (:func:`_windows`)."""
+    device, kernels, families = [], 0, {}
+    host: dict[str, list[tuple[int, int]]] = {"aten_ops": [], "syncs": [], "launches": []}
     for e in events:
-        name = e.name()
+        name, span = e.name(), (e.start_ns(), e.start_ns() + e.duration_ns())
         if e.device_type() == torch.autograd.DeviceType.CUDA:
-            device.append((e.start_ns(), e.start_ns() + e.duration_ns()))
+            device.append(span)
             kernels += not name.startswith(("Memcpy", "Memset"))
             f = family(name)
             families[f] = families.get(f, 0) + e.duration_ns()
         elif name.startswith("aten::"):
-            ops += 1
+            host["aten_ops"].append(span)
         elif name.startswith(_SYNCS):
-            sync_ns += e.duration_ns()
+            host["syncs"].append(span)
         elif name.startswith(_LAUNCHES):
-            launch_ns += e.duration_ns()
+            host["launches"].append(span)
+    seconds = {k: sum(b - a for a, b in ivs) / 1e9 for k, ivs in host.items()}
     return {"wall_s": wall_s, "device_busy_s": _union_ns(device) / 1e9 if device else None, "kernels": kernels,
-            "aten_ops": ops, "sync_wait_s": sync_ns / 1e9, "launch_s": launch_ns / 1e9,
-            "device_s_by_family": {f: ns / 1e9 for f, ns in sorted(families.items())}}
+            "aten_ops": len(host["aten_ops"]), "sync_wait_s": seconds["syncs"], "launch_s": seconds["launches"],
+            "device_s_by_family": {f: ns / 1e9 for f, ns in sorted(families.items())},
+            "timeline": _windows(device, host, windows) if device and windows else None}
 
 
 def profiled_step(step: Callable[[], None], device: torch.device) -> dict[str, Any]:

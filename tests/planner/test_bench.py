@@ -71,6 +71,25 @@ def test_a_profiled_step_tells_the_hosts_time_from_the_devices():
     assert summarize([_Event("aten::mm", 0, 5)], 1.0)["device_busy_s"] is None  # a CPU step: no device
 
 
+def test_a_profiled_step_keeps_where_in_the_step_the_device_waited():
+    """The timeline: the step cut into equal windows, each with the device's busy seconds (a kernel across two
+    windows split between them) and the host's operators, launches and synchronisations begun there. Here the
+    first half keeps the device busy and the second leaves it waiting for two Python operators."""
+    from memfit.planner.step_profile import summarize
+
+    events = [_Event("aten::mm", 0, 1_000), _Event("cudaLaunchKernel", 500, 400),
+              _Event("gemm_kernel", 1_000, 4_500, cuda=True),
+              _Event("aten::index", 6_000, 1_500), _Event("aten::nonzero", 8_000, 1_000),
+              _Event("cudaStreamSynchronize", 8_200, 500), _Event("tiny_kernel", 9_000, 200, cuda=True),
+              _Event("aten::add", 9_500, 500)]
+    t = summarize(events, wall_s=10e-6, windows=4)["timeline"]
+    assert t["window_s"] == pytest.approx(2.5e-6)
+    assert t["device_busy_s"] == pytest.approx([1.5e-6, 2.5e-6, 0.5e-6, 0.2e-6])
+    assert (t["aten_ops"], t["launches"], t["syncs"]) == ([1, 0, 1, 2], [1, 0, 0, 0], [0, 0, 0, 1])
+    assert t["launches_s"] == pytest.approx([0.4e-6, 0, 0, 0]) and t["syncs_s"] == pytest.approx([0, 0, 0, 0.5e-6])
+    assert summarize([_Event("aten::mm", 0, 5)], 1.0)["timeline"] is None  # a CPU step: no device to compare with
+
+
 @pytest.mark.parametrize("kernel, family", [
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"), ("nvjet_hsh_256x128_64x4", "matmul"),
     ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>", "attention"),
