@@ -322,13 +322,24 @@ def compare(measured_path: Path, out: Path, composed: bool) -> None:
                          "measured_device_gib": device_used / GIB, "predicted_peak_gib": r.peak_bytes / GIB,
                          "device_err_pct": 100 * (r.peak_bytes - device_used) / device_used,
                          "outside_allocator_mib": m["outside_allocator"] / MIB,
-                         "measured_step_s": m["seconds"], "predicted_step_s": r.seconds})
+                         "measured_step_s": m["seconds"], "predicted_step_s": r.seconds, **_time_parts(m, r)})
             row = rows[-1]
             print(f"{name}: allocated {row['measured_allocated_gib']:.2f} vs {row['predicted_allocated_gib']:.2f} GiB "
                   f"predicted ({row['allocated_err_pct']:+.1f}%), reserved {row['measured_reserved_gib']:.2f} vs "
                   f"{row['predicted_reserved_gib']:.2f} ({row['reserved_err_pct']:+.1f}%)", flush=True)
     _table(rows)
     print(f"wrote {write_csv(rows, out.with_suffix('.csv'))}")
+
+
+def _time_parts(m: dict, r: Any) -> dict:
+    """A case's step by part, measured (the profiled step's device busy time, the median step's host time until
+    its Python returned) beside predicted (the model's kernels, host and offload)."""
+    host = statistics.median(m["host_times"]) if m.get("host_times") else None
+    out = {"measured_busy_s": (m.get("profile") or {}).get("device_busy_s"), "measured_host_s": host}
+    if r.time is not None:
+        out.update(predicted_kernels_s=r.time.kernels, predicted_host_s=r.time.host, predicted_offload_s=r.time.offload,
+                   predicted_bound=r.time.bound)
+    return out
 
 
 def _table(rows: list[dict]) -> None:

@@ -3,10 +3,11 @@ first blocks that make it fit."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import astuple, replace
 from typing import Protocol
 
 from memfit.planner.compose_all import groups, in_processes
+from memfit.planner.cost import StepTime
 from memfit.planner.results import AUTO_FIT_MARGIN, PlanResult
 from memfit.planner.runs import Runs, StepFailed
 from memfit.planner.space import Plan
@@ -69,7 +70,15 @@ def _interpolated(r: PlanResult, full: PlanResult, blocks: int, limit: float) ->
     share = n / blocks
     peak = int(r.peak_bytes - share * (r.peak_bytes - full.peak_bytes))
     breakdown = {k: int(v + share * (full.breakdown.get(k, 0) - v)) for k, v in r.breakdown.items()}
+    time = _between(r.time, full.time, share)
     return PlanResult(replace(r.plan, activation_checkpointing=f"first{n}", configured=False), peak, breakdown,
                       int(r.allocated + share * (full.allocated - r.allocated)),
                       int(r.reserved + share * (full.reserved - r.reserved)),
-                      r.seconds + share * (full.seconds - r.seconds))
+                      time.seconds if time else r.seconds + share * (full.seconds - r.seconds), time=time)
+
+
+def _between(a: StepTime | None, b: StepTime | None, share: float) -> StepTime | None:
+    """Each part of ``a`` moved ``share`` of the way to ``b``'s."""
+    if a is None or b is None:
+        return None
+    return StepTime(*(x + share * (y - x) for x, y in zip(astuple(a)[:4], astuple(b)[:4])), cuda=a.cuda)

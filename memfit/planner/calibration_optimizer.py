@@ -55,7 +55,7 @@ def optimizer(b: Bench, ref: Device) -> dict[str, float]:
 
 def host_step(b: Bench) -> float:
     """GB/s of AdamW's step on the host CPU (an offloaded optimizer's: torch's default there) over ViT-B's tensors,
-    counted as :func:`memfit.planner.cost.step_seconds` counts an offloaded step: parameters, gradients and twice
+    counted as :func:`memfit.planner.cost.step_time` counts an offloaded step: parameters, gradients and twice
     the state."""
     scale = 1 / 1024 if b.quick else 1.0
     params = _with_grads([torch.randn(max(int(n * scale), 1), requires_grad=True) for n in VIT_B])

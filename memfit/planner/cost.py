@@ -126,6 +126,36 @@ def lever_factor(device: Device, key: str, profile: Profile | None = None) -> fl
 
 
 @dataclass(frozen=True)
+class StepTime:
+    """One optimizer step's modelled seconds by part: the device's ``kernels``, the ``host``'s Python and launches,
+    ``comm`` (collectives, overlapped) and ``offload`` (host<->device copies and a host optimizer step, waited for).
+    ``seconds`` puts them together as a step runs on ``cuda`` (the slower of kernels and host) or a CPU (their sum)."""
+
+    kernels: float
+    host: float
+    comm: float = 0.0
+    offload: float = 0.0
+    cuda: bool = True
+
+    @property
+    def seconds(self) -> float:
+        compute = max(self.kernels, self.host) if self.cuda else self.kernels + self.host
+        return max(compute, self.comm) + self.offload
+
+    @property
+    def bound(self) -> str:
+        """The largest part of the step: 'offload' (host<->device copies and the host's optimizer step), 'comm'
+        (collectives longer than the compute they overlap), 'host' (a GPU waits for Python to launch its
+        kernels) or 'device'."""
+        compute = max(self.kernels, self.host) if self.cuda else self.kernels + self.host
+        if self.offload > max(compute, self.comm):
+            return "offload"
+        if self.comm > compute:
+            return "comm"
+        return "host" if self.cuda and self.host > self.kernels else "device"
+
+
+@dataclass(frozen=True)
 class ModelState:
     """Per-rank bytes the optimizer step touches and an offload moves."""
 
@@ -135,9 +165,9 @@ class ModelState:
     tensors: int = 0  # parameter tensors the optimizer steps
 
 
-def step_seconds(plan: Plan, micro: StepMeasurement, shard: StepMeasurement, state: ModelState, device: Device,
-                 world_size: int, shard_counts: int) -> float:
-    """Modelled seconds of one optimizer step of ``plan``: ``micro`` is its forward/backward measurement
+def step_time(plan: Plan, micro: StepMeasurement, shard: StepMeasurement, state: ModelState, device: Device,
+              world_size: int, shard_counts: int) -> StepTime:
+    """Modelled seconds of one optimizer step of ``plan``, by part: ``micro`` is its forward/backward measurement
     (FLOPs, ops), ``shard`` the full step of its sharding (collective bytes over ``shard_counts``
     micro-steps), ``state`` its per-rank model state."""
     profile = profile_for(device)[0]
@@ -170,9 +200,8 @@ def step_seconds(plan: Plan, micro: StepMeasurement, shard: StepMeasurement, sta
         kernels, host = kernels + step_kernels, host + step_host
     else:
         kernels += moved / (device.mem_bw * 1e9)
-    # On a GPU the host runs ahead of the kernels it launches: the slower of the two sets the pace.
-    compute = max(kernels, host) if device.cuda else kernels + host
-    return max(compute, comm) + offload
+    # On a GPU the host runs ahead of the kernels it launches: the slower of the two sets the pace (StepTime).
+    return StepTime(kernels, host, comm, offload, device.cuda)
 
 
 def sharding_host_seconds(plan: Plan, state: ModelState, device: Device, profile: Profile | None = None) -> float:

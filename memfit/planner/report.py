@@ -23,9 +23,10 @@ EAGER_MARK = " (eager)"  # a compiled plan's peak: its eager plan's
 
 def plan_table(pred: Prediction, limit: int | None = None) -> str:
     """Markdown rows sorted by predicted step time; the recommended plan marked with ``*``, a compiled plan's
-    peak with ``(eager)`` (its eager plan's: see :func:`footer`)."""
+    peak with ``(eager)`` (its eager plan's: see :func:`footer`); on a GPU, what paces each step
+    (:attr:`memfit.planner.cost.StepTime.bound`)."""
     cuda = pred.device.cuda
-    head = "| plan | peak | allocated | reserved | relative time | fits |" if cuda else \
+    head = "| plan | peak | allocated | reserved | relative time | paced by | fits |" if cuda else \
         "| plan | peak | relative time | fits |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     rows = pred.results if limit is None else pred.results[:limit]
@@ -34,7 +35,8 @@ def plan_table(pred: Prediction, limit: int | None = None) -> str:
         name = f"{r.plan.name}{' (configured)' if r.plan.configured else ''}{mark}"
         peak = size(r.peak_bytes) + (EAGER_MARK if r.plan.compile else "")
         mem = f"{peak} | {size(r.allocated)} | {size(r.reserved)}" if cuda else peak
-        lines.append(f"| {name} | {mem} | {r.rel_step_time:.2f} | {'yes' if r.fits else 'no'} |")
+        time = f"{r.rel_step_time:.2f} | {r.time.bound if r.time else '-'}" if cuda else f"{r.rel_step_time:.2f}"
+        lines.append(f"| {name} | {mem} | {time} | {'yes' if r.fits else 'no'} |")
     return "\n".join(lines)
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from memfit.planner import devices
-from memfit.planner.cost import ModelState, step_seconds
+from memfit.planner.cost import ModelState, StepTime, step_time
 from memfit.planner.devices import Device
 from memfit.planner.fake import StepMeasurement
 from memfit.planner.inputs import PlannedInput
@@ -33,6 +33,7 @@ class PlanResult:
     source: str = "composed"
     rel_step_time: float = 1.0
     fits: bool = True
+    time: StepTime | None = None  # ``seconds`` by part (what paces the step)
 
 
 @dataclass
@@ -50,7 +51,7 @@ class Prediction:
 
     def to_json(self) -> dict[str, Any]:
         """The ``--json`` document (exactly these keys; ``recommended`` indexes ``plans``; each plan's
-        ``memory``: 'fake step', or "eager plan's" for a compiled plan)."""
+        ``memory``: 'fake step', or "eager plan's" for a compiled plan; ``paced_by``: ``StepTime.bound``)."""
         return {
             "device": self.device.name,
             "world_size": self.world_size,
@@ -58,7 +59,7 @@ class Prediction:
             "input": self.input.as_dict() if self.input else None,
             "plans": [{"name": r.plan.name, **r.plan.as_dict(), "peak_bytes": r.peak_bytes,
                        "breakdown": r.breakdown, "rel_step_time": round(r.rel_step_time, 4), "fits": r.fits,
-                       "memory": memory_source(r.plan)}
+                       "memory": memory_source(r.plan), "paced_by": r.time.bound if r.time else None}
                       for r in self.results],
             "recommended": self.recommended,
         }
@@ -133,8 +134,8 @@ def plan_result(plan: Plan, step: StepMeasurement, micro: StepMeasurement, devic
     # The allocator's rounding and slack: the plan's own step's, else its activations' forward/backward's.
     run = allocator_run or (step if source == "measured" else micro)
     peak, breakdown, allocated, reserved = device_figures(tracked, breakdown, device, world_size, run)
-    seconds = step_seconds(plan, micro, step, model_state(step), device, world_size, shard_counts)
-    return PlanResult(plan, peak, breakdown, allocated, reserved, seconds, source)
+    time = step_time(plan, micro, step, model_state(step), device, world_size, shard_counts)
+    return PlanResult(plan, peak, breakdown, allocated, reserved, time.seconds, source, time=time)
 
 
 AUTO_FIT_MARGIN = 0.05  # the recommended plan leaves 5% of the budget free

@@ -22,7 +22,7 @@ from memfit.planner.cost import (
     ModelState,
     micro_step_seconds,
     optimizer_seconds,
-    step_seconds,
+    step_time,
 )
 from memfit.planner.devices import gpu
 from memfit.planner.fake import Phase, StepMeasurement
@@ -118,7 +118,7 @@ def test_without_a_profile_the_constants_apply(plan, monkeypatch):
     one_pass = (2 * STATE.params + STATE.grads + 2 * STATE.optimizer) / (device.mem_bw * 1e9)
     assert optimizer_seconds(plan, STATE, device, 40) == pytest.approx(one_pass * passes + 40 * 20e-6, rel=1e-12)
     # The host runs ahead of the kernels it launches: the step is the slower of the two, optimizer step included.
-    assert step_seconds(plan, MICRO, MICRO, STATE, device, 1, 1) == pytest.approx(
+    assert step_time(plan, MICRO, MICRO, STATE, device, 1, 1).seconds == pytest.approx(
         max(kernels + one_pass * passes, host + MICRO.step_ops * 20e-6), rel=1e-12)
 
 
@@ -154,10 +154,10 @@ def test_profile_factors_scale_their_terms(monkeypatch, constants_time_model):
     assert optimizer_seconds(Plan(fused_optimizer=True), replace(STATE, tensors=100), device, 40, per_tensor) == \
         pytest.approx(2 * one_pass + 100 * 5e-6)
     # An installed profile times its GPU's plans and the nearest's, not a CPU's.
-    before = step_seconds(bf16, MICRO, MICRO, STATE, gpu("H200"), 1, 1)
+    before = step_time(bf16, MICRO, MICRO, STATE, gpu("H200"), 1, 1).seconds
     monkeypatch.setattr(time_profile, "installed", lambda: (Profile("H100", "", "hopper", {"launch_us": 10.0}),))
     # (MICRO's step is paced by its host: each operator x HOST_OP_FACTOR, the optimizer's each once)
-    assert step_seconds(bf16, MICRO, MICRO, STATE, gpu("H200"), 1, 1) == pytest.approx(
+    assert step_time(bf16, MICRO, MICRO, STATE, gpu("H200"), 1, 1).seconds == pytest.approx(
         before - (MICRO.ops * HOST_OP_FACTOR + MICRO.step_ops) * 10e-6)
 
 

@@ -19,7 +19,7 @@ from memfit.planner.cost import (
     SELECTIVE_OP_US,
     ModelState,
     micro_step_seconds,
-    step_seconds,
+    step_time,
 )
 from memfit.planner.devices import gpu, this_cpu
 from memfit.planner.fake import Phase, StepMeasurement, fake_process_group, measure_step
@@ -93,7 +93,7 @@ def test_fsdp_host_work_per_parameter_tensor_and_the_host_optimizer_rate(constan
 
     def seconds(plan: Plan, device=h100, profile: Profile | None = None) -> float:
         with patch("memfit.planner.cost.profile_for", lambda d: (profile or Profile("x"), False)):
-            return step_seconds(plan, micro, micro, state, device, 1, 1)
+            return step_time(plan, micro, micro, state, device, 1, 1).seconds
 
     plain = seconds(Plan("bf16"))
     # FSDP gathers every tensor in forward and again in backward, each micro-step, and reduces it once a step;
@@ -112,6 +112,28 @@ def test_fsdp_host_work_per_parameter_tensor_and_the_host_optimizer_rate(constan
     assert seconds(offload) - seconds(offload, profile=Profile("x", factors={"host_step_gbps": 40.0})) == \
         pytest.approx(moved / HOST_STEP_BYTES_PER_S - moved / 40e9)
 
+
+
+def test_what_paces_a_step(constants_time_model):
+    """A step's parts, and the largest of them named (the plan table's 'paced by'): on a GPU many small operators
+    leave the device waiting for Python, FLOPs the other way round; an offloaded optimizer's copies and host step, and
+    a large all-reduce over a slow link, take longer than either. A CPU runs its operators as it dispatches them."""
+    h100 = gpu("H100")
+    state = ModelState(params=4 * 10**8, grads=4 * 10**8, optimizer=8 * 10**8, tensors=300)
+    small = StepMeasurement(0, {}, Phase(), Phase(), flops=10**9, ops=20000)
+    large = StepMeasurement(0, {}, Phase(), Phase(), flops=10**16, ops=2000)
+
+    def time(plan: Plan, micro: StepMeasurement, device=h100, world: int = 1):
+        return step_time(plan, micro, micro, state, device, world, 1)
+
+    host, device = time(Plan("bf16"), small), time(Plan("bf16"), large)
+    assert (host.bound, device.bound) == ("host", "device")
+    assert host.seconds == host.host and device.seconds == device.kernels
+    few = replace(small, ops=200)
+    assert time(Plan("bf16", offload="optimizer"), few).bound == "offload"
+    assert time(Plan("bf16"), few, gpu("4090"), world=8).bound == "comm"  # a DDP all-reduce of 400 MB over PCIe
+    cpu = time(Plan("fp32"), small, this_cpu())
+    assert cpu.bound == "device" and cpu.seconds == pytest.approx(cpu.kernels + cpu.host)
 
 
 @pytest.mark.parametrize("offload", [False, True])
