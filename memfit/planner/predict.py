@@ -142,6 +142,8 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
         detection = planned.boxes_per_image is not None
         _rank(results, budget, device, detection)
         recommended = _recommend(results, budget)
+        if verify:
+            _verify_ahead(runs, results, budget, recommended)
         while verify and recommended is not None and results[recommended].source != "measured":
             r = results[recommended]
             try:
@@ -179,6 +181,31 @@ def _rank(results: list[PlanResult], budget: int, device: Device, detection: boo
     for r in results:
         r.rel_step_time = r.seconds / base
         r.fits = r.peak_bytes <= budget * (1 - fit_margin(r, device, detection))
+
+
+def _verify_ahead(runs: Runs, results: list[PlanResult], budget: int, recommended: int | None) -> None:
+    """Run the recommended plan's verification beside those of the plans that would follow it should each be found
+    over the budget, one per worker, at once: a recommendation whose verification fails (DINO's first, a pyramid's
+    composed row) then costs no second wait. Their results stay in ``runs``' cache for the verification loop."""
+    rest, plans = list(results), []
+    while recommended is not None and len(plans) < workers():
+        r = rest.pop(recommended)
+        if r.source == "measured":  # its own fake step already: the verification would stop here
+            break
+        plans.append(r.plan)
+        recommended = _recommend(rest, budget)
+    if len(plans) < 2:
+        return
+    runs.collecting = True
+    try:
+        for plan in plans:
+            try:
+                runs.run(("verify", plan), plan, full=True, steps=1)
+            except StepFailed:  # already run, and failed: the loop leaves it out
+                pass
+    finally:
+        runs.collecting = False
+    runs.execute()
 
 
 def _recommend(results: list[PlanResult], budget: int) -> int | None:
