@@ -8,10 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from memfit.planner.block_subsets import block_subsets
+from memfit.planner.block_subsets import _fewest_blocks, block_subsets
 from memfit.planner.cost import StepTime
 from memfit.planner.devices import GiB
 from memfit.planner.results import PlanResult
+from memfit.planner.runs import StepFailed
 from memfit.planner.space import Plan
 
 
@@ -43,3 +44,46 @@ def test_no_subset_where_none_is_needed_or_none_fits():
     assert block_subsets([row("none", 10, t), row("blocks", 2, t)], 1, 8 * GiB, RUN) == []  # one block: 'blocks'
     # all 8 would be needed (each takes 0.31 GiB off): that is 'blocks' itself
     assert block_subsets([row("none", 10, t), row("blocks", 7.5, t)], 8, 8 * GiB, RUN) == []
+
+
+class Curve:
+    """A composer whose ``firstN`` rows peak at ``base`` plus the activations of the blocks left unchecked."""
+
+    recorded, runs = True, None
+
+    def __init__(self, acts: list[float], base: float = 3.0, fails_at: int | None = None) -> None:
+        self.acts, self.base, self.fails_at, self.calls = acts, base, fails_at, []
+
+    def peak(self, n: int) -> int:
+        return int((self.base + sum(self.acts[n:])) * GiB)
+
+    def __call__(self, plan: Plan) -> PlanResult:
+        n = int(plan.activation_checkpointing.removeprefix("first"))
+        self.calls.append(n)
+        if n == self.fails_at:
+            raise StepFailed("composition failed")
+        return PlanResult(plan, self.peak(n), {}, self.peak(n), self.peak(n), 1.0)
+
+
+@pytest.mark.parametrize("acts", [[1.0] * 24, [8.0] * 2 + [4.0] * 2 + [2.0] * 18 + [1.0] * 2, [5.0, 0.1, 3.0, 2.0]])
+def test_the_fewest_blocks_are_the_smallest_n_that_fits(acts):
+    """Against every N, for every limit the search is for (over the peak without checkpointing, within the peak with
+    every block): the smallest N whose peak fits, found in a few compositions."""
+    blocks = len(acts)
+    curve = Curve(acts)
+    for n_limit in range(1, blocks + 1):
+        limit = curve.peak(n_limit) + 1  # N = n_limit is the first within it (or an earlier one of equal peak)
+        want = next(n for n in range(blocks + 1) if curve.peak(n) <= limit)
+        curve.calls.clear()
+        r = _fewest_blocks(Plan("bf16"), blocks, limit, curve, (curve.peak(0), curve.peak(blocks)))
+        got = int(r.plan.activation_checkpointing.removeprefix("first")) if r else None
+        assert got == (want if 0 < want < blocks else None), (n_limit, curve.calls)
+        assert len(curve.calls) <= blocks.bit_length() + 3
+
+
+def test_a_composition_that_fails_ends_the_search_with_what_was_found():
+    curve = Curve([1.0] * 16, fails_at=None)
+    limit = curve.peak(5)
+    curve.fails_at = 4  # the search probes 5 (fits), then 4
+    r = _fewest_blocks(Plan("bf16"), 16, limit, curve, (curve.peak(0), curve.peak(16)))
+    assert curve.calls[-1] == 4 and r.plan.activation_checkpointing == "first5"
