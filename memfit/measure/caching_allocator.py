@@ -78,9 +78,6 @@ class CachingAllocatorModel:
         self.requested = self.peak_requested = 0
         self._sizes: dict[Hashable, int] = {}
 
-    def _pool(self, stream: Hashable, small: bool) -> list[tuple[int, int, _Block]]:
-        return self._pools.setdefault((stream, small), [])
-
     def next_segment_at(self, addr: int) -> None:
         """The address the next segment reserved takes (cudaMalloc's choice, read from a recorded trace).
         By default each segment lies above the ones before; where free blocks of a pool tie on size, the
@@ -144,9 +141,11 @@ class CachingAllocatorModel:
         if stream != 0:
             self._trace_streams[len(self.trace)] = stream
         self.trace.append((key, nbytes))
-        size = round_size(nbytes)
+        size = -(-nbytes // MIN_BLOCK) * MIN_BLOCK  # round_size's, inlined: the planner's hottest call
         small = size <= SMALL_SIZE
-        pool = self._pool(stream, small)
+        pool = self._pools.get((stream, small))
+        if pool is None:
+            pool = self._pools[(stream, small)] = []
         i = bisect_left(pool, (size, -1))
         if i < len(pool):
             block = pool.pop(i)[2]
@@ -166,10 +165,12 @@ class CachingAllocatorModel:
         block.free = False
         self._used[key] = block
         self.allocated += block.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
         self._sizes[key] = nbytes
         self.requested += nbytes
-        self.peak_requested = max(self.peak_requested, self.requested)
+        if self.requested > self.peak_requested:
+            self.peak_requested = self.requested
 
     def free(self, key: Hashable) -> None:
         """Free ``key``'s block (ignored if it holds none); for a block under ``record_stream``, call it when
@@ -185,7 +186,9 @@ class CachingAllocatorModel:
     def _insert_free(self, block: _Block) -> _Block:
         """Mark ``block`` free, merged with its free neighbours, in its pool; the merged block."""
         block.free = True
-        pool = self._pool(block.stream, block.small)
+        pool = self._pools.get((block.stream, block.small))
+        if pool is None:
+            pool = self._pools[(block.stream, block.small)] = []
         for other in (block.prev, block.next):
             if other is None or not other.free:
                 continue
