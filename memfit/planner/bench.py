@@ -133,8 +133,9 @@ def _measure_plan(cfg: dict, plan: Plan, facts: ModelFacts, steps: int, batch: A
 
 
 def bench(cfg: dict, plans: list[Plan], facts: ModelFacts, steps: int = 3, progress: bool = False,
-          inputs: Inputs | None = None) -> list[Measured]:
-    """Measure ``plans`` in order, on the batch the planner plans for (``inputs``); times relative to the first."""
+          inputs: Inputs | None = None, profile: bool = False) -> list[Measured]:
+    """Measure ``plans`` in order, on the batch the planner plans for (``inputs``); times relative to the first.
+    ``profile``: each plan's one more step profiled (:func:`measure_plan`)."""
     inputs = inputs or Inputs(cfg)
     bar = None
     if progress:
@@ -150,7 +151,7 @@ def bench(cfg: dict, plans: list[Plan], facts: ModelFacts, steps: int = 3, progr
         for plan in plans:
             if bar is not None:
                 bar.set_postfix_str(plan.name)
-            out.append(measure_plan(cfg, plan, facts, steps, batch=inputs.batch(plan.micro_batch)))
+            out.append(measure_plan(cfg, plan, facts, steps, batch=inputs.batch(plan.micro_batch), profile=profile))
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             if bar is not None:

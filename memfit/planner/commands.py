@@ -136,6 +136,7 @@ def bench_command(args: Any, cfg: dict) -> int:
     from memfit.planner.predict import predict
     from memfit.planner.report import write_csv
     from memfit.planner.space import ModelFacts, configured_plan
+    from memfit.planner.step_profile import paced_by
 
     device = _device(args)
     facts = ModelFacts.of(build_meta_model(cfg["model"]))
@@ -147,9 +148,9 @@ def bench_command(args: Any, cfg: dict) -> int:
     pred = predict(cfg, device=device, world_size=1, budget=None, progress=sys.stderr.isatty(), verify=False,
                    inputs=inputs, also=plans)
     predicted = {r.plan: r for r in pred.results}
-    measured = bench(cfg, plans, facts, steps=args.steps, progress=sys.stderr.isatty(), inputs=inputs)
-    base_pred = predicted.get(measured[0].plan)
     cuda = torch.cuda.is_available()
+    measured = bench(cfg, plans, facts, steps=args.steps, progress=sys.stderr.isatty(), inputs=inputs, profile=cuda)
+    base_pred = predicted.get(measured[0].plan)
     rows = []
     for m in measured:
         p = predicted.get(m.plan)
@@ -162,6 +163,8 @@ def bench_command(args: Any, cfg: dict) -> int:
         if cuda:
             row["measured_reserved_gib"] = round(m.reserved / GiB, 4)
             row["predicted_reserved_gib"] = round((p.reserved if p else 0) / GiB, 4)
+            row["measured_paced_by"] = paced_by(m.profile) or ""
+            row["predicted_paced_by"] = p.time.bound if p and p.time else ""
         rows.append(row)
     print("| " + " | ".join(rows[0]) + " |")
     print("|" + "---|" * len(rows[0]))

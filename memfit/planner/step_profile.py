@@ -101,6 +101,19 @@ def summarize(events: list[Any], wall_s: float, windows: int = 20) -> dict[str, 
             "timeline": _windows(device, host, windows) if device and windows else None}
 
 
+DEVICE_BUSY = 0.9  # a profiled step whose device was busy this share of its time or more was paced by the device
+
+
+def paced_by(profile: dict[str, Any]) -> str | None:
+    """What paced a profiled step (:func:`summarize`'s figures): 'device' where its kernels kept the GPU busy for
+    :data:`DEVICE_BUSY` of the step or more, else 'host' (the GPU waited for Python, or for a copy or host step it
+    synchronised on); None without a device."""
+    busy, wall = profile.get("device_busy_s"), profile.get("wall_s")
+    if busy is None or not wall:
+        return None
+    return "device" if busy >= DEVICE_BUSY * wall else "host"
+
+
 def profiled_step(step: Callable[[], None], device: torch.device) -> dict[str, Any]:
     """Run ``step`` once under ``torch.profiler`` (the device synchronised around it) and :func:`summarize` it;
     empty where this torch's profiler does not expose its events, ``{"error": ...}`` where profiling failed (a

@@ -90,6 +90,23 @@ def test_a_profiled_step_keeps_where_in_the_step_the_device_waited():
     assert summarize([_Event("aten::mm", 0, 5)], 1.0)["timeline"] is None  # a CPU step: no device to compare with
 
 
+def test_what_paced_a_profiled_step():
+    """`memfit bench` on a GPU puts this beside the planner's 'paced by': the device where its kernels kept it busy
+    for nine tenths of the step or more, else the host."""
+    from memfit.planner.step_profile import paced_by
+
+    kernels = [_Event("aten::mm", 0, 1_000), _Event("gemm_kernel", 1_000, 9_000, cuda=True)]
+    assert paced_by(summarize_of(kernels, 10e-6)) == "device"
+    assert paced_by(summarize_of(kernels, 12e-6)) == "host"  # 9 of 12 us busy: the GPU waited 3 us for Python
+    assert paced_by(summarize_of([_Event("aten::mm", 0, 5)], 1.0)) is None  # a CPU step
+
+
+def summarize_of(events, wall_s):
+    from memfit.planner.step_profile import summarize
+
+    return summarize(events, wall_s)
+
+
 @pytest.mark.parametrize("kernel, family", [
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"), ("nvjet_hsh_256x128_64x4", "matmul"),
     ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>", "attention"),
