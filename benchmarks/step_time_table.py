@@ -1,13 +1,17 @@
 """Predicted against measured step time, relative to a reference step measured in the same run.
 
     python benchmarks/step_time_table.py PREDICTED.csv RUN.json [RUN.json ...]
+    python benchmarks/step_time_table.py --parts PREDICTED.csv      # each case by part, against its own run
 
 PREDICTED.csv is what ``benchmarks/gpu_calibration.py compare --composed --out PREDICTED`` wrote (a case's
 ``predicted_step_s``); each RUN.json is a ``gpu_calibration.py measure`` run (a case's median ``seconds``). A
 case's ratio is its step time over its reference's (the same model's fp32 step; Swin-B's and DeiT-B's, which
 have none measured, Swin-L's and ViT-L's; DINO's rows, row 1's), predicted and measured; the error is predicted over
 measured ratio.
-Prints a markdown table and how many cases each run has within 10%.
+Prints a markdown table and how many cases each run has within 10%. With ``--parts``: each case's predicted kernels
+and host beside the run's profiled device busy time and host time (the columns ``compare`` writes), and what paced
+it, measured (:func:`memfit.planner.step_profile.paced_by`'s rule on the step's time) and predicted; a device-paced
+step's host time includes its waits, so its host is not compared.
 """
 
 from __future__ import annotations
@@ -62,7 +66,31 @@ def markdown(rows: list[dict], names: list[str]) -> str:
     return "\n".join(lines)
 
 
+def parts(rows: list[dict[str, str]]) -> str:
+    """The ``--parts`` table from ``compare``'s CSV rows."""
+    from memfit.planner.step_profile import DEVICE_BUSY
+
+    def pct(predicted: float, measured: float) -> str:
+        return f"{measured:.3f} / {predicted:.3f} ({100 * (predicted / measured - 1):+.0f}%)"
+
+    lines = ["| case | paced by, measured / predicted | device busy s / predicted kernels | host s / predicted host |",
+             "|---|---|---|---|"]
+    for r in rows:
+        if not r.get("measured_busy_s") or not r.get("predicted_kernels_s"):
+            continue
+        busy, step, host = float(r["measured_busy_s"]), float(r["measured_step_s"]), float(r["measured_host_s"])
+        measured = "device" if busy >= DEVICE_BUSY * step else "host"
+        kernels, predicted_host = float(r["predicted_kernels_s"]), float(r["predicted_host_s"])
+        host_cell = pct(predicted_host, host) if measured == "host" else ""
+        lines.append(f"| {r['case']} | {measured} / {r['predicted_bound']} | {pct(kernels, busy)} | {host_cell} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["--parts"] and len(argv) == 2:
+        with open(argv[1], newline="") as f:
+            print(parts(list(csv.DictReader(f))))
+        return
     if len(argv) < 2:
         raise SystemExit(__doc__)
     with open(argv[0], newline="") as f:
