@@ -79,7 +79,7 @@ def summarize(events: list[Any], wall_s: float, windows: int = 20) -> dict[str, 
     """The step's figures from profiler events (objects with ``name()``, ``device_type()``, ``start_ns()`` and
     ``duration_ns()``, as ``torch.profiler``'s kineto results hold them); ``timeline``: the same figures in
     ``windows`` spans of the step (:func:`_windows`)."""
-    device, kernels, families = [], 0, {}
+    device, kernels, families, by_name = [], 0, {}, {}
     host: dict[str, list[tuple[int, int]]] = {"aten_ops": [], "syncs": [], "launches": []}
     for e in events:
         name, span = e.name(), (e.start_ns(), e.start_ns() + e.duration_ns())
@@ -88,6 +88,8 @@ def summarize(events: list[Any], wall_s: float, windows: int = 20) -> dict[str, 
             kernels += not name.startswith(("Memcpy", "Memset"))
             f = family(name)
             families[f] = families.get(f, 0) + e.duration_ns()
+            n, ns = by_name.get(name, (0, 0))
+            by_name[name] = (n + 1, ns + e.duration_ns())
         elif name.startswith("aten::"):
             host["aten_ops"].append(span)
         elif name.startswith(_SYNCS):
@@ -98,9 +100,13 @@ def summarize(events: list[Any], wall_s: float, windows: int = 20) -> dict[str, 
     return {"wall_s": wall_s, "device_busy_s": _union_ns(device) / 1e9 if device else None, "kernels": kernels,
             "aten_ops": len(host["aten_ops"]), "sync_wait_s": seconds["syncs"], "launch_s": seconds["launches"],
             "device_s_by_family": {f: ns / 1e9 for f, ns in sorted(families.items())},
+            # the kernels that took longest in all, each (name, count, seconds): which ones a model misses
+            "top_kernels": [(k[:200], n, ns / 1e9) for k, (n, ns) in sorted(by_name.items(), key=lambda kv: -kv[1][1])
+                            [:TOP_KERNELS]],
             "timeline": _windows(device, host, windows) if device and windows else None}
 
 
+TOP_KERNELS = 20  # kernel names kept in a profile, longest in all first
 DEVICE_BUSY = 0.9  # a profiled step whose device was busy this share of its time or more was paced by the device
 
 

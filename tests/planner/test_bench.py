@@ -68,6 +68,8 @@ def test_a_profiled_step_tells_the_hosts_time_from_the_devices():
     assert (s["kernels"], s["aten_ops"]) == (2, 2)  # the copy is device time, not a kernel
     assert (s["sync_wait_s"], s["launch_s"]) == (pytest.approx(30e-6), pytest.approx(2e-6))
     assert s["device_s_by_family"] == pytest.approx({"matmul": 20e-6, "communication": 20e-6, "copy": 1e-6})
+    assert [k[:2] for k in s["top_kernels"]] == [("gemm_kernel", 1), ("ncclKernel_AllGather", 1),
+                                                  ("Memcpy HtoD (Pageable -> Device)", 1)]
     assert summarize([_Event("aten::mm", 0, 5)], 1.0)["device_busy_s"] is None  # a CPU step: no device
 
 
