@@ -41,7 +41,7 @@ from memfit.planner.composer import Composer
 from memfit.planner.devices import Device
 from memfit.planner.fake import build_meta_model
 from memfit.planner.inputs import Inputs
-from memfit.planner.levers import allowed_levers, compiled_twins
+from memfit.planner.levers import Levers, allowed_levers, compiled_twins
 from memfit.planner.results import AUTO_FIT_MARGIN, PlanResult, Prediction, fit_margin, plan_result
 from memfit.planner.runs import Runs, StepFailed, workers
 from memfit.planner.space import PRECISIONS, ModelFacts, Plan, configured_plan, enumerate_plans
@@ -159,10 +159,22 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
         notes = [f"{len(ps)} plan(s) left out, their fake step fails ({', '.join(p.name for p in ps[:3])}"
                  f"{', ...' if len(ps) > 3 else ''}): {why}" for why, ps in failed.items()]
         notes += _stand_in_note(cfg, world_size, configured)
+        if recommended is not None:
+            notes += _host_note(results[recommended], levers)
         return Prediction(device, world_size, budget, [results[i] for i in order],
                           index.get(recommended) if recommended is not None else None, time.perf_counter() - start,
                           notes=notes, fake_steps=len(runs.cache), input=planned,
                           levers=levers)
+
+
+def _host_note(r: PlanResult, levers: Levers) -> list[str]:
+    """A line when the recommended plan's step is paced by the host: a faster GPU would not make it faster."""
+    if r.time is None or r.time.bound != "host" or r.plan.compile:
+        return []
+    idle = 1 - r.time.kernels / r.time.host
+    how = "a compiled plan launches" if levers.compile else "compiled plans (--compile) launch"
+    return [f"the recommended plan is paced by the host: its GPU waits for Python to launch kernels, idle {idle:.0%} "
+            f"of the step; {how} fewer kernels"]
 
 
 def _stand_in_note(cfg: dict, world_size: int, configured: Plan) -> list[str]:

@@ -104,6 +104,7 @@ def test_plan_for_8_h100s_adds_the_cuda_figures(tiny_config, tmp_path):
     doc = json.loads((tmp_path / "p.json").read_text())
     # a tiny model's steps on an H100: Python launches kernels slower than the GPU runs them
     assert {p["paced_by"] for p in doc["plans"]} <= {"host", "device", "comm"} and doc["plans"][0]["paced_by"] == "host"
+    assert "note: the recommended plan is paced by the host: its GPU waits for Python to launch kernels, idle " in out
     assert doc["device"] == "H100" and doc["world_size"] == 8 and doc["budget_bytes"] == 40 << 30
     assert {p["sharding"] for p in doc["plans"]} == {"none", "zero1", "zero2", "fsdp"}
     for plan in doc["plans"]:
