@@ -149,7 +149,7 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
             try:
                 m = runs.run(("verify", r.plan), r.plan, full=True, steps=1)
                 measured = plan_result(r.plan, m, m, device, world_size, r.plan.accumulative_counts, "measured")
-                results[recommended] = replace(measured, seconds=r.seconds)
+                results[recommended] = replace(measured, seconds=r.seconds, time=r.time)
             except StepFailed as exc:
                 failed.setdefault(str(exc), []).append(results.pop(recommended).plan)
             _rank(results, budget, device, detection)

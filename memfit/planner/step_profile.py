@@ -96,7 +96,7 @@ def summarize(events: list[Any], wall_s: float, windows: int = 20) -> dict[str, 
             host["syncs"].append(span)
         elif name.startswith(_LAUNCHES):
             host["launches"].append(span)
-    seconds = {k: sum(b - a for a, b in ivs) / 1e9 for k, ivs in host.items()}
+    seconds = {k: sum(b - a for a, b in host[k]) / 1e9 for k in ("syncs", "launches")}
     return {"wall_s": wall_s, "device_busy_s": _union_ns(device) / 1e9 if device else None, "kernels": kernels,
             "aten_ops": len(host["aten_ops"]), "sync_wait_s": seconds["syncs"], "launch_s": seconds["launches"],
             "device_s_by_family": {f: ns / 1e9 for f, ns in sorted(families.items())},
