@@ -79,7 +79,7 @@ def summarize(events: list[Any], wall_s: float, windows: int = 20) -> dict[str, 
     """The step's figures from profiler events (objects with ``name()``, ``device_type()``, ``start_ns()`` and
     ``duration_ns()``, as ``torch.profiler``'s kineto results hold them); ``timeline``: the same figures in
     ``windows`` spans of the step (:func:`_windows`)."""
-    device, kernels, families, by_name = [], 0, {}, {}
+    device, kernels, families, by_name, ops_by_name = [], 0, {}, {}, {}
     host: dict[str, list[tuple[int, int]]] = {"aten_ops": [], "syncs": [], "launches": []}
     for e in events:
         name, span = e.name(), (e.start_ns(), e.start_ns() + e.duration_ns())
@@ -92,6 +92,8 @@ def summarize(events: list[Any], wall_s: float, windows: int = 20) -> dict[str, 
             by_name[name] = (n + 1, ns + e.duration_ns())
         elif name.startswith("aten::"):
             host["aten_ops"].append(span)
+            n, ns = ops_by_name.get(name, (0, 0))
+            ops_by_name[name] = (n + 1, ns + e.duration_ns())
         elif name.startswith(_SYNCS):
             host["syncs"].append(span)
         elif name.startswith(_LAUNCHES):
@@ -99,10 +101,16 @@ def summarize(events: list[Any], wall_s: float, windows: int = 20) -> dict[str, 
     seconds = {k: sum(b - a for a, b in host[k]) / 1e9 for k in ("syncs", "launches")}
     return {"wall_s": wall_s, "device_busy_s": _union_ns(device) / 1e9 if device else None, "kernels": kernels,
             "aten_ops": len(host["aten_ops"]), "sync_wait_s": seconds["syncs"], "launch_s": seconds["launches"],
+            # the host's time inside operators (any thread): the rest of the step is Python between them (model
+            # code, hooks, a dispatch mode such as selective checkpointing's policy) or waiting
+            "host_in_ops_s": _union_ns(host["aten_ops"]) / 1e9,
             "device_s_by_family": {f: ns / 1e9 for f, ns in sorted(families.items())},
             # the kernels that took longest in all, each (name, count, seconds): which ones a model misses
             "top_kernels": [(k[:200], n, ns / 1e9) for k, (n, ns) in sorted(by_name.items(), key=lambda kv: -kv[1][1])
                             [:TOP_KERNELS]],
+            # the operators run most often, each (name, count, seconds inside them, nested ones included)
+            "top_ops": [(k, n, ns / 1e9) for k, (n, ns) in sorted(ops_by_name.items(), key=lambda kv: -kv[1][0])
+                        [:TOP_KERNELS]],
             "timeline": _windows(device, host, windows) if device and windows else None}
 
 

@@ -67,6 +67,8 @@ def test_a_profiled_step_tells_the_hosts_time_from_the_devices():
     assert s["device_busy_s"] == pytest.approx(28e-6)  # 3..30 us and 40..41 us
     assert (s["kernels"], s["aten_ops"]) == (2, 2)  # the copy is device time, not a kernel
     assert (s["sync_wait_s"], s["launch_s"]) == (pytest.approx(30e-6), pytest.approx(2e-6))
+    assert s["host_in_ops_s"] == pytest.approx(6e-6)  # mm 0..5 us, add 6..7 us
+    assert s["top_ops"] == [("aten::mm", 1, pytest.approx(5e-6)), ("aten::add", 1, pytest.approx(1e-6))]
     assert s["device_s_by_family"] == pytest.approx({"matmul": 20e-6, "communication": 20e-6, "copy": 1e-6})
     assert [k[:2] for k in s["top_kernels"]] == [("gemm_kernel", 1), ("ncclKernel_AllGather", 1),
                                                   ("Memcpy HtoD (Pageable -> Device)", 1)]
