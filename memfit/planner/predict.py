@@ -198,7 +198,10 @@ def _rank(results: list[PlanResult], budget: int, device: Device, detection: boo
 def _verify_ahead(runs: Runs, results: list[PlanResult], budget: int, recommended: int | None) -> None:
     """Run the recommended plan's verification beside those of the plans that would follow it should each be found
     over the budget, one per worker, at once: a recommendation whose verification fails (DINO's first, a pyramid's
-    composed row) then costs no second wait. Their results stay in ``runs``' cache for the verification loop."""
+    composed row) then costs no second wait. Their results stay in ``runs``' cache for the verification loop. Not
+    where steps run in this process (no fork, or a backward ran here first): one after the other, they would."""
+    if not runs.forked:
+        return
     rest, plans = list(results), []
     while recommended is not None and len(plans) < workers():
         r = rest.pop(recommended)

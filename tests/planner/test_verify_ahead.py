@@ -13,8 +13,9 @@ from memfit.planner.space import Plan
 
 
 class StubRuns:
-    def __init__(self, failed: tuple[Plan, ...] = ()) -> None:
+    def __init__(self, failed: tuple[Plan, ...] = (), forked: bool = True) -> None:
         self.collecting, self.queued, self.executed, self.failed = False, [], 0, failed
+        self.forked = forked  # steps run in worker processes
 
     def run(self, key, plan, full, steps=2, **kwargs):
         assert self.collecting and key == ("verify", plan) and full and steps == 1
@@ -59,3 +60,12 @@ def test_a_step_already_failed_is_left_to_the_loop(monkeypatch):
     runs = StubRuns(failed=(Plan("bf16"),))
     predict._verify_ahead(runs, ROWS, 8 * GiB, 1)
     assert [p.precision for p in runs.queued] == ["fp16"] and runs.executed == 1 and not runs.collecting
+
+
+def test_not_where_steps_run_one_after_the_other(monkeypatch):
+    """Without worker processes (no fork, or a backward ran in this process) the next plan's verification would add
+    its whole time when the first fits."""
+    monkeypatch.setattr(predict, "workers", lambda: 2)
+    runs = StubRuns(forked=False)
+    predict._verify_ahead(runs, ROWS, 8 * GiB, 1)
+    assert runs.queued == [] and runs.executed == 0
