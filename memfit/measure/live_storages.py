@@ -146,9 +146,7 @@ class LiveStorages(TorchDispatchMode):
         old = entry[2]
         if old == category or (only_from is not None and old not in only_from) or old == HOST:
             return
-        if id(st) in self.sharded:  # gradients no more
-            self.sharded.discard(id(st))
-            self.sharded_grads -= entry[1]
+        self._unshard(id(st), entry[1])  # gradients no more
         if category == HOST:
             self._to_host(st, entry, retroactive)
             return
@@ -160,6 +158,12 @@ class LiveStorages(TorchDispatchMode):
             moved = min(entry[1], self.peak_breakdown[old])
             self.peak_breakdown[old] -= moved
             self.peak_breakdown[category] += moved
+
+    def _unshard(self, key: int, nbytes: int) -> None:
+        """The storage ``key`` (of ``nbytes``) holds sharded gradients no more (freed, or counted otherwise)."""
+        if key in self.sharded:
+            self.sharded.discard(key)
+            self.sharded_grads -= nbytes
 
     def mark_sharded(self, st: torch.UntypedStorage, retroactive: bool = False) -> None:
         """``st``, counted as gradients, holds sharded gradients (FSDP's, on the host under its CPU offload);
@@ -196,9 +200,7 @@ class LiveStorages(TorchDispatchMode):
             self.host -= entry[1]
         elif entry is not None and entry[0] is ref:
             del self.live[key]
-            if key in self.sharded:
-                self.sharded.discard(key)
-                self.sharded_grads -= entry[1]
+            self._unshard(key, entry[1])
             if self.allocator is not None:
                 self.allocator.free(key)
             if self.timeline is not None:

@@ -28,8 +28,8 @@ def block_subsets(results: list[PlanResult], blocks: int, budget: int, compose: 
                   ) -> list[PlanResult]:
     """The planner's own checkpointing choice: where a plan does not fit without checkpointing but does
     with every block checkpointed, the fewest first blocks (``ac:firstN``) that fit. Composed like any
-    choice from the recorded forward/backward (a bisection over N: the peak falls as blocks are added; the
-    plans' bisections in up to ``processes`` processes, :func:`~memfit.planner.compose_all.in_processes`);
+    choice from the recorded forward/backward (a search over N, :func:`_fewest_blocks`: the peak falls as blocks
+    are added; the plans' searches in up to ``processes`` processes, :func:`~memfit.planner.compose_all.in_processes`);
     where choices are run instead, peak and time are interpolated by the share of blocks, which errs high
     on pyramids (Swin, ResNet), whose first blocks hold the largest activations. A recommended subset is
     re-run whole like any row."""

@@ -138,19 +138,22 @@ class StepTime:
     cuda: bool = True
 
     @property
+    def compute(self) -> float:
+        """The kernels with their host: on a GPU the slower of the two, on a CPU their sum."""
+        return max(self.kernels, self.host) if self.cuda else self.kernels + self.host
+
+    @property
     def seconds(self) -> float:
-        compute = max(self.kernels, self.host) if self.cuda else self.kernels + self.host
-        return max(compute, self.comm) + self.offload
+        return max(self.compute, self.comm) + self.offload
 
     @property
     def bound(self) -> str:
         """The largest part of the step: 'offload' (host<->device copies and the host's optimizer step), 'comm'
         (collectives longer than the compute they overlap), 'host' (a GPU waits for Python to launch its
         kernels) or 'device'."""
-        compute = max(self.kernels, self.host) if self.cuda else self.kernels + self.host
-        if self.offload > max(compute, self.comm):
+        if self.offload > max(self.compute, self.comm):
             return "offload"
-        if self.comm > compute:
+        if self.comm > self.compute:
             return "comm"
         return "host" if self.cuda and self.host > self.kernels else "device"
 

@@ -15,6 +15,7 @@ activations give back the sharding's own step, call for call.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -88,9 +89,7 @@ class _Shares:
         at = self.mallocs[k - 1] + 1 if k else 0
         stop = self.mallocs[k] if k < len(self.mallocs) else len(self.freed) - 1
         want = self.freed[-1] * freed // model_freed if model_freed else 0
-        while at < stop and self.freed[at] < want:
-            at += 1
-        return at
+        return bisect_left(self.freed, want, at, stop)  # the first point from ``at`` with that many frees before it
 
 
 class RowCalls:

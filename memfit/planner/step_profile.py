@@ -75,6 +75,12 @@ def _windows(device: list[tuple[int, int]], host: dict[str, list[tuple[int, int]
     return out
 
 
+def _top(by_name: dict[str, tuple[int, int]], by_time: bool) -> list[tuple[str, int, float]]:
+    """The :data:`TOP_KERNELS` names with the most nanoseconds (``by_time``) or calls, each (name, calls, seconds)."""
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1] if by_time else -kv[1][0])
+    return [(name[:200], n, ns / 1e9) for name, (n, ns) in ranked[:TOP_KERNELS]]
+
+
 def summarize(events: list[Any], wall_s: float, windows: int = 20) -> dict[str, Any]:
     """The step's figures from profiler events (objects with ``name()``, ``device_type()``, ``start_ns()`` and
     ``duration_ns()``, as ``torch.profiler``'s kineto results hold them); ``timeline``: the same figures in
@@ -106,11 +112,9 @@ def summarize(events: list[Any], wall_s: float, windows: int = 20) -> dict[str, 
             "host_in_ops_s": _union_ns(host["aten_ops"]) / 1e9,
             "device_s_by_family": {f: ns / 1e9 for f, ns in sorted(families.items())},
             # the kernels that took longest in all, each (name, count, seconds): which ones a model misses
-            "top_kernels": [(k[:200], n, ns / 1e9) for k, (n, ns) in sorted(by_name.items(), key=lambda kv: -kv[1][1])
-                            [:TOP_KERNELS]],
+            "top_kernels": _top(by_name, by_time=True),
             # the operators run most often, each (name, count, seconds inside them, nested ones included)
-            "top_ops": [(k, n, ns / 1e9) for k, (n, ns) in sorted(ops_by_name.items(), key=lambda kv: -kv[1][0])
-                        [:TOP_KERNELS]],
+            "top_ops": _top(ops_by_name, by_time=False),
             "timeline": _windows(device, host, windows) if device and windows else None}
 
 
