@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from memfit.planner.devices import Device
 from memfit.planner.fake import Phase, StepMeasurement
+from memfit.planner.levers import Levers
 from memfit.planner.recompute import CachedTensorMutated, compose
 from memfit.planner.results import PlanResult, inputs_at, larger_of, plan_result
 from memfit.planner.row_allocator import RowAllocator, activations_key, precision_kind
@@ -34,10 +35,12 @@ class Composer(RowAllocator):
     choice and micro-batch (equal to running it, tests/planner/test_recompute.py). A model whose own
     checkpointing switch is on runs every choice (its recording would miss what its checkpoints save)."""
 
-    def __init__(self, runs: Runs, ref: Plan, device: Device, world_size: int, micro_batches: list[int]) -> None:
+    def __init__(self, runs: Runs, ref: Plan, device: Device, world_size: int, micro_batches: list[int],
+                 levers: Levers | None = None) -> None:
         from memfit.memory.wrapping import own_switch
 
         self.runs, self.ref, self.device, self.world = runs, ref, device, world_size
+        self.levers = levers  # the rows' levers: a row whose optimizer steps on the host shares a fused step (_shard)
         self.grad_bytes = sum(p.numel() * p.element_size() for p in runs.meta.parameters() if p.requires_grad)
         # What a single-process forward/backward holds from its start besides the batches.
         self.model_bytes = sum(t.numel() * t.element_size() for t in (*runs.meta.parameters(), *runs.meta.buffers()))
@@ -205,11 +208,32 @@ class Composer(RowAllocator):
         # runs with the offload, whose buffers' slack differs (ViT-B at 8 ranks, benchmarks/composed_rows.py: its
         # rows reserved -5.3% .. -2.2% of their own fake steps from the step without it, now -3.4% .. +1.8%).
         offload = "none" if plan.offload == "optimizer" and plan.sharding != "zero2" else plan.offload
+        fused = self._device_fused(plan)
         # A ZeRO-2 or FSDP step records its sync points (memfit.planner.sync_points).
         sync = self.record if plan.sharding in ("zero2", "fsdp") and self.recorded else None
-        return self.runs.run(("shard", plan.sharding, offload, plan.channels_last, plan.fused_optimizer, mb, k),
+        return self.runs.run(("shard", plan.sharding, offload, plan.channels_last, fused, mb, k),
                              replace(ref, sharding=plan.sharding, offload=offload, micro_batch=mb,
-                                     accumulative_counts=k), full=True, steps=1, record=sync)
+                                     accumulative_counts=k, fused_optimizer=fused), full=True, steps=1, record=sync)
+
+    def _device_fused(self, plan: Plan) -> bool:
+        """Whether ``plan``'s sharding step runs a fused optimizer: its own, or, for a row whose optimizer steps on the
+        host and whose step runs without the offload (FSDP's CPU offload, which moves nothing on fake tensors;
+        optimizer offload but ZeRO-2's), the same row's on the device where it has one. The two steps differ in the
+        optimizer's temporaries only, which are the host's (results.plan_result takes the optimizer's memory out):
+        one fake step pair fewer per sharding. Its host's operators are counted apart (:meth:`_host_step`)."""
+        if self.levers is None or plan.offload == "none" or (plan.offload == "optimizer" and plan.sharding == "zero2"):
+            return plan.fused_optimizer
+        return plan.fused_optimizer or self.levers.on(replace(plan, offload="none")).fused_optimizer
+
+    def _host_step(self, plan: Plan) -> StepMeasurement | None:
+        """The operators of ``plan``'s optimizer step on the host, where its sharding's step ran another optimizer
+        (:meth:`_device_fused`): its optimizer's step alone (memfit.planner.host_step), one per optimizer."""
+        if self._device_fused(plan) == plan.fused_optimizer:
+            return None
+        host = replace(self.ref, offload=plan.offload if plan.offload == "optimizer" else "none",
+                       fused_optimizer=plan.fused_optimizer)
+        return self.runs.run(("host step", host.offload, host.fused_optimizer), host, full=True, single=True,
+                             optimizer_only=True)
 
     def __call__(self, plan: Plan) -> PlanResult:
         ref = self._ref(plan)
@@ -224,6 +248,12 @@ class Composer(RowAllocator):
         micro = replace(self._act(plan, ref.micro_batch), flops=flops, written=written, conv_flops=conv,
                         attn_flops=attn)
         shards = {(mb, k): self._shard(plan, ref, mb, k) for mb, k in anchors}
+        try:
+            host = self._host_step(plan)
+        except StepFailed:  # a count only: the row keeps its sharding step's operators rather than be left out
+            host = None
+        if host is not None:
+            shards = {a: replace(s, step_ops=host.step_ops) for a, s in shards.items()}
         nearest = min(anchors, key=lambda a: abs(a[0] - plan.micro_batch))  # whose step rounds as the plan's would
         results = []
         for mb, k in anchors:

@@ -115,7 +115,7 @@ def _predict(cfg: dict, device: Device, world_size: int, budget: int, as_is: boo
     ref = Plan("fp32", "none", "none", "none", False, configured.micro_batch, configured.accumulative_counts)
     micro = sorted({p.micro_batch for p in plans} - {configured.micro_batch})
     with Runs(cfg, facts, meta, world_size, progress, device.sms if device.cuda else None, inputs) as runs:
-        compose = Composer(runs, ref, device, world_size, micro)
+        compose = Composer(runs, ref, device, world_size, micro, levers)
         runs.collecting = True  # first pass: which fake steps the composition needs; then run them all at once
         runs.run("configured", configured, full=True, steps=1)
         compose.configured_fb(configured)

@@ -22,6 +22,7 @@ import torch
 from memfit.errors import ConfigError, first_line
 from memfit.optim.spec import OptimWrapperSpec
 from memfit.planner.fake import Phase, StepMeasurement, fake_process_group, measure_step, measured_optim_wrapper
+from memfit.planner.host_step import optimizer_step
 from memfit.planner.inputs import Inputs
 from memfit.planner.kernel_scratch import H100_SMS
 from memfit.planner.levers import fake_step_cfg
@@ -60,11 +61,14 @@ def _forked_autograd(exc: BaseException) -> bool:
 
 
 def _run_one(cfg: dict, full: bool, steps: int, cuda: tuple[int, int] | None,
-             record: tuple[str, ...] | None = None) -> StepMeasurement | StepFailed:
-    """The fake step (``cuda``: the target GPU's SMs and threads per SM; None: a CPU target), or why it failed
-    (returned, so that the cache keeps it beside the measurements)."""
+             record: tuple[str, ...] | None = None, optimizer_only: bool = False) -> StepMeasurement | StepFailed:
+    """The fake step (``cuda``: the target GPU's SMs and threads per SM; None: a CPU target; ``optimizer_only``: its
+    optimizer's step alone, :func:`~memfit.planner.host_step.optimizer_step`), or why it failed (returned, so that
+    the cache keeps it beside the measurements)."""
     batch = _WORKER["inputs"].batch(cfg["train_dataloader"]["batch_size"])
     try:
+        if optimizer_only:
+            return optimizer_step(cfg, _WORKER["meta"])
         return measure_step(cfg, full=full, batch=batch, meta_model=_WORKER["meta"], steps=steps,
                             cuda=cuda is not None, record=record, sms=cuda or H100_SMS)
     except ConfigError:
@@ -83,7 +87,8 @@ def workers() -> int:
     return max(1, min(cores, 4))
 
 
-def _canonical(cfg: dict, full: bool, steps: int, record: tuple[str, ...] | None = None) -> str:
+def _canonical(cfg: dict, full: bool, steps: int, record: tuple[str, ...] | None = None,
+               optimizer_only: bool = False) -> str:
     """What a fake step of ``cfg`` runs, as a string: two configs that differ only in how they say the same
     thing (fp16 for bf16, which the fake step measures alike; FSDP's defaults written out or not; the
     technique switches at the top level or under ``cfg``; accumulation a forward/backward run overrides; how
@@ -104,7 +109,8 @@ def _canonical(cfg: dict, full: bool, steps: int, record: tuple[str, ...] | None
             opt = ow["optimizer"]
             c["optim_wrapper"]["optimizer"] = {k: v for k, v in opt.items() if k not in ("foreach", "fused")}
     c["strategy"] = fake_step_config(c.get("strategy"))  # no strategy key is None: the runner's default either way
-    return json.dumps([c, full, steps if full else 1, record], sort_keys=True, default=repr)
+    return json.dumps([c, full, steps if full else 1, record, *(["optimizer only"] if optimizer_only else [])],
+                      sort_keys=True, default=repr)
 
 
 def _fsdp(cfg: dict) -> bool:
@@ -122,9 +128,12 @@ def _sharding(key: str, strategy: Any) -> bool:
     return _SHARDING[key]
 
 
-def _cost(cfg: dict, full: bool, steps: int, record: tuple[str, ...] | None = None) -> float:
+def _cost(cfg: dict, full: bool, steps: int, record: tuple[str, ...] | None = None,
+          optimizer_only: bool = False) -> float:
     """A fake step's run time in forward/backward runs, for ordering (fitted on DINO Swin-L's steps): each
     micro-step one, each optimizer step 0.4, FSDP's wrapping 0.5, a recorded forward/backward 1.2."""
+    if optimizer_only:
+        return 0.4
     if not full:
         return 1.2 if record is not None else 1.0
     counts = OptimWrapperSpec.of(cfg.get("optim_wrapper")).accumulative_counts
@@ -167,15 +176,15 @@ class Runs:
         return cfg
 
     def run(self, key: Any, plan: Plan, full: bool, single: bool = False, steps: int = 2,
-            record: tuple[str, ...] | None = None) -> StepMeasurement:
+            record: tuple[str, ...] | None = None, optimizer_only: bool = False) -> StepMeasurement:
         """The fake step of ``plan`` (``full``: ``steps`` optimizer steps, else one forward/backward;
         ``single``: in one process; ``record``: a forward/backward's timeline, over these regions, see
         :mod:`memfit.planner.timeline`); ``key`` names it for the caller. Raises :class:`StepFailed`."""
         if key not in self.canon:
             cfg = self._cfg(plan, single)
-            self.canon[key] = _canonical(cfg, full, steps, record)
+            self.canon[key] = _canonical(cfg, full, steps, record, optimizer_only)
             if self.canon[key] not in self.cache and self.canon[key] not in self.pending:
-                self.pending[self.canon[key]] = (cfg, full, steps, plan.name, record)
+                self.pending[self.canon[key]] = (cfg, full, steps, plan.name, record, optimizer_only)
         canon = self.canon[key]
         if canon not in self.cache:
             if self.collecting:
@@ -189,8 +198,8 @@ class Runs:
     def _in_workers(self, pending: dict, bar: Any) -> None:
         if self.pool is None:  # forked with _WORKER's meta model
             self.pool = Pool(min(workers(), len(pending)), _init_worker, (self.world,))
-        jobs = {key: Job(_run_one, (cfg, full, steps, self.cuda, record), _cost(cfg, full, steps, record),
-                         _kinds(cfg, full)) for key, (cfg, full, steps, _, record) in pending.items()}
+        jobs = {key: Job(_run_one, (cfg, full, steps, self.cuda, record, only), _cost(cfg, full, steps, record, only),
+                         _kinds(cfg, full)) for key, (cfg, full, steps, _, record, only) in pending.items()}
 
         def done(key: str, ok: bool, value: Any) -> bool:
             if not ok:
@@ -242,12 +251,12 @@ class Runs:
             if all(key in self.cache for key in pending):
                 return
             with fake_process_group(self.world):
-                for key, (cfg, full, steps, name, record) in pending.items():
+                for key, (cfg, full, steps, name, record, only) in pending.items():
                     if key in self.cache:
                         continue
                     if bar is not None:
                         bar.set_postfix_str(name)
-                    self.cache[key] = _run_one(cfg, full, steps, self.cuda, record)
+                    self.cache[key] = _run_one(cfg, full, steps, self.cuda, record, only)
                     if bar is not None:
                         bar.update(1)
         finally:
