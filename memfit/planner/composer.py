@@ -123,10 +123,10 @@ class Composer(RowAllocator):
             checkpointed_modules(self.runs.meta, self.runs.facts, choice)
 
     def _compose(self, recorded: StepMeasurement, choice: str, epilogue: list[tuple[int, int | None]] | None = None,
-                 micro_steps: int = 1) -> StepMeasurement | StepFailed:
+                 micro_steps: int = 1, before: tuple[int, ...] = ()) -> StepMeasurement | StepFailed:
         try:
             k = compose(recorded.timeline, self._checkpointed(choice), selective=choice == "selective",
-                        epilogue=epilogue, micro_steps=micro_steps)
+                        epilogue=epilogue, micro_steps=micro_steps, before=before)
         except CachedTensorMutated as exc:  # the plan cannot train: left out with the reason, as a failed run
             return StepFailed(f"RuntimeError: {exc}")
         # Recomputation repeats the convolutions (and attention) in the share the whole forward/backward has them.

@@ -56,7 +56,7 @@ class CachedTensorMutated(RuntimeError):
 
 def compose(tl: Timeline, regions: Iterable[str], selective: bool = False,
             epilogue: list[tuple[int, int | None]] | None = None, micro_steps: int = 1,
-            events: list[tuple] | None = None) -> Composed:
+            events: list[tuple] | None = None, before: tuple[int, ...] = ()) -> Composed:
     """The recorded step with the calls of the modules named in ``regions`` checkpointed (a call inside
     another checkpointed one is not checkpointed again, as memfit's install never wraps twice).
 
@@ -70,7 +70,8 @@ def compose(tl: Timeline, regions: Iterable[str], selective: bool = False,
     ``zero_grad`` frees the gradients), then both again on those segments; with ``micro_steps`` > 1 each step
     runs the forward/backward again as a later micro-step (its gradients added in place) before the optimizer's.
 
-    ``events``: a list given is filled with the composed step's allocations and frees in order (see :func:`_replay`)."""
+    ``events``: a list given is filled with the composed step's allocations and frees in order (see :func:`_replay`).
+    ``before``: blocks of these sizes the simulated allocator holds from before the step (DDP's buckets)."""
     names = set(regions)
     ix = tl.index
     chosen = {c for c, name in enumerate(tl.calls) if name in names}
@@ -109,7 +110,8 @@ def compose(tl: Timeline, regions: Iterable[str], selective: bool = False,
         _scratch(items, (i, 0), 0, ("scratch", i), sizes)
     items += [(i, 1, 0, None, uid, 0, False) for i, uid in ix.grads]  # is_alloc None: it became a gradient
     items += [(i, 0, 0, "sync", kind, 0, False) for i, kind in ix.sync]
-    return replace(_replay(tl, items, flops, ops, written, epilogue, micro_steps, events), recompute_ops=recompute_ops)
+    return replace(_replay(tl, items, flops, ops, written, epilogue, micro_steps, events, before),
+                   recompute_ops=recompute_ops)
 
 
 def _recompute(tl: Timeline, c: int, frame: int, selective: bool, items: list[tuple],
@@ -190,7 +192,7 @@ def _scratch(items: list[tuple], at: tuple[int, int], seq: int, key: tuple, size
 
 def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int,
             epilogue: list[tuple[int, int | None]] | None = None, micro_steps: int = 1,
-            events: list[tuple] | None = None) -> Composed:
+            events: list[tuple] | None = None, before: tuple[int, ...] = ()) -> Composed:
     """The tracker's accounting over the composed allocations and frees: the peak is taken after each
     allocation (after each operator's outputs, as the tracker does); a retroactive one (alive before the
     step, first seen now) raises the peak too. The simulated allocator runs them, and with ``epilogue`` two
@@ -201,6 +203,8 @@ def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int
     allocator = None
     if tl.prefix is not None:
         allocator = CachingAllocatorModel.rerun(*tl.prefix)
+        for i, n in enumerate(before):
+            allocator.malloc(("before the step", "bucket", i), n)
     total = peak = peak_ng = tl.start
     grads = 0  # the bytes of storages that became gradients
     gradients: set[Any] = set()
