@@ -20,7 +20,7 @@ from tests.planner.test_two_steps import _config
 VIT = dict(type="TimmClassifier", model_name="vit_base_patch16_224", num_classes=4, img_size=64, patch_size=16,
            embed_dim=128, depth=2, num_heads=2, drop_path_rate=0.0)
 OWN = ("bf16 offload:optimizer mb16x1", "bf16 fsdp offload:optimizer mb16x1",
-       "bf16 ac:blocks fsdp offload:params mb8x2")
+       "bf16 ac:blocks zero2 offload:optimizer mb8x2", "bf16 ac:blocks fsdp offload:params mb8x2")
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +49,12 @@ def test_offloaded_rows_take_the_fused_step(predictions):
     offloaded = 0
     for r in shared.results:
         old = rows.pop(r.plan.name)
-        if r.plan.offload == "none":
-            assert (r.allocated, r.reserved, r.seconds) == (old.allocated, old.reserved, old.seconds)
+        if r.plan.offload == "none":  # (measured equal; compared as figures)
+            assert (r.allocated, r.reserved, r.seconds) == pytest.approx((old.allocated, old.reserved, old.seconds),
+                                                                         rel=1e-4), r.plan.name
             continue
         offloaded += 1
-        assert r.allocated == old.allocated, r.plan.name
+        assert r.allocated == pytest.approx(old.allocated, rel=1e-4), r.plan.name  # (measured equal)
         # the simulated allocator runs the optimizer's calls of the fused step: none of foreach's temporaries
         assert r.reserved == pytest.approx(old.reserved, rel=0.005), r.plan.name
     assert not rows and offloaded >= 12
@@ -63,7 +64,8 @@ def test_offloaded_rows_take_the_fused_step(predictions):
 def test_an_offloaded_rows_host_step_is_its_own(predictions, name):
     """The host's launches are those of the row's own optimizer step: an optimizer-offload row's time was 5-11%
     under its own fake step's when counted from the device's step without the offload's copies (measured -1.5% ..
-    -2.6% now, the rest from the model state; FSDP's CPU offload 0.0%)."""
+    -2.6% now, the rest from the model state; ZeRO-2's, which runs its own step with the offload, and FSDP's CPU
+    offload 0.0%)."""
     shared, _, own = predictions
     row = next(r for r in shared.results if r.plan.name == name)
     assert row.seconds == pytest.approx(own[name].seconds, rel=0.03), name
