@@ -172,6 +172,11 @@ class _Phases:
 DDP_BUCKET = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb
 
 
+def ddp_buckets(total: int) -> tuple[int, ...]:
+    """The blocks DDP's buckets of ``total`` gradient bytes take (``bucket_cap_mb`` each, the last the rest)."""
+    return tuple(min(DDP_BUCKET, total - i) for i in range(0, total, DDP_BUCKET))
+
+
 def build_meta_model(model_cfg: Any) -> nn.Module:
     """The config's model on the meta device (no memory, no initialisation)."""
     from memfit.registry import MODELS
@@ -295,7 +300,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
         with counter, MemoryTracker(model, wrapper.optimizer, observer=observer, allocator=allocator) as tracker, \
                 cuda_autocast_on_cpu(cuda), measured_for("cuda" if cuda else None):
             if allocator is not None:  # allocated before the step's first kernels: workspaces, DDP's buckets
-                for i, n in enumerate(CUBLAS_BLOCKS + _chunks(buckets, DDP_BUCKET)):
+                for i, n in enumerate(CUBLAS_BLOCKS + ddp_buckets(buckets)):
                     allocator.malloc(("before the step", i), n)
                 live = tracker.live_storages
                 live.scratch = functools.partial(cuda_scratch, sms=sms)
@@ -373,10 +378,6 @@ def optimizer_epilogue(calls: list[tuple[Any, int | None]]) -> list[tuple[int, i
         elif key in local:
             out.append((local.pop(key), None))
     return out
-
-
-def _chunks(total: int, size: int) -> tuple[int, ...]:
-    return tuple(min(size, total - i) for i in range(0, total, size))
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from memfit.measure import CachingAllocatorModel
-from memfit.planner.fake import DDP_BUCKET, StepMeasurement
+from memfit.planner.fake import StepMeasurement, ddp_buckets
 from memfit.planner.recompute import compose
 from memfit.planner.results import allocator_rounding
 from memfit.planner.runs import StepFailed
@@ -171,5 +171,4 @@ def _buckets(plan: Plan, shard: StepMeasurement) -> tuple[int, ...]:
     `bf16 fused mb16x1`: 18 MiB reserved under its own fake step without them)."""
     if plan.sharding not in ("none", "zero1"):
         return ()
-    total = shard.forward_backward.breakdown.get("communication", 0)
-    return tuple(min(DDP_BUCKET, total - i) for i in range(0, total, DDP_BUCKET))
+    return ddp_buckets(shard.forward_backward.breakdown.get("communication", 0))
