@@ -229,16 +229,22 @@ class CachingAllocatorModel:
         return list(dict.fromkeys(key for key, n in self.trace[start:] if n is not None and key in self._used))
 
     def finish_steps(self, start: int, epilogue: Sequence[tuple[int, int | None]], made: Iterable[Hashable],
-                     micro_steps: int = 1) -> None:
+                     micro_steps: int = 1, tail: Sequence[tuple[Hashable, int | None, Hashable]] = ()) -> None:
         """The calls since ``trace[start]`` were a forward/backward: end its training step with an optimizer
         step's calls (``epilogue``: ``(i, nbytes)`` and ``(i, None)``, its state kept), free what the step made and
         still holds (``made``: the gradients, which ``zero_grad`` frees), then run the step again as the next
-        would (:meth:`replay`): a real run's second step on the segments the first left. ``micro_steps`` > 1:
-        the forward/backward runs again before the optimizer step as a later micro-step of gradient accumulation
+        would (:meth:`replay`): a real run's second step on the segments the first left. ``tail``: the step's calls
+        after its backward returned (``(key, nbytes, stream)``, ``nbytes`` None for a free: what the train step
+        lets go when it returns, its batch and loss), which come after the optimizer's. ``micro_steps`` > 1: the
+        forward/backward runs again before the optimizer step as a later micro-step of gradient accumulation
         (:meth:`accumulate`), in both steps."""
-        made = list(made)
+        late = {key for key, nbytes, _ in tail if nbytes is None}
+        made = [key for key in made if key not in late]
         if micro_steps > 1:
-            self.accumulate(start, len(self.trace), set(made))
+            end = len(self.trace)
+            self.run(tail)  # the first micro-step's train step returns
+            self.accumulate(start, end, set(made))
+            tail = [(("micro", key), nbytes, stream) for key, nbytes, stream in tail]
         for i, nbytes in epilogue:
             if nbytes is None:
                 self.free(("optimizer", i))
@@ -246,7 +252,16 @@ class CachingAllocatorModel:
                 self.malloc(("optimizer", i), nbytes)
         for key in made:
             self.free(key)
+        self.run(tail)
         self.replay(start)
+
+    def run(self, calls: Iterable[tuple[Hashable, int | None, Hashable]]) -> None:
+        """Make ``calls`` (``(key, nbytes, stream)``, ``nbytes`` None for a free)."""
+        for key, nbytes, stream in calls:
+            if nbytes is None:
+                self.free(key)
+            else:
+                self.malloc(key, nbytes, stream)
 
     def accumulate(self, start: int, end: int, made: set[Hashable]) -> None:
         """Run ``trace[start:end]`` (a forward/backward) again as a later micro-step of gradient accumulation would:

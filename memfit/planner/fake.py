@@ -91,8 +91,9 @@ class StepMeasurement:
     cuda_requested: int = 0  # a composed run: the bytes its allocator replay requested at their peak
     # A forward/backward run: the peak of all but the gradients (what a later micro-step adds to whole gradients).
     peak_without_grads: int = 0
-    # A forward/backward run on a CUDA target: where its step began in its allocator calls, and the calls.
-    allocator_calls: tuple[int, tuple] | None = None
+    # A forward/backward run on a CUDA target: where its step began in its allocator calls, the calls, and where
+    # its backward returned (its optimizer step's place in a full step: what follows is the train step returning).
+    allocator_calls: tuple[int, tuple, int] | None = None
     # A full run with ``record`` (or a composed forward/backward): its tracked bytes at the sync points of its
     # micro-steps' forward/backward (memfit.planner.sync_points), in its forward/backward phase's terms.
     sync: Any = None
@@ -310,9 +311,17 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
                 for i, st in enumerate(storages(batch)):
                     live.hold(("next batch", i), st.nbytes(), "inputs", INPUT_STREAM)
             phases = _Phases(tracker, allocator)
-            first = len(allocator.trace) if allocator is not None else 0
+            first = step_at = len(allocator.trace) if allocator is not None else 0
             if recorder is not None:
                 recorder.mode = tracker.live_storages
+            if not full:  # where the optimizer step would begin: when backward returns (an optim wrapper's)
+                def backward_returned() -> None:
+                    nonlocal step_at
+                    step_at = len(allocator.trace) if allocator is not None else 0
+                    if isinstance(recorder, Recorder):
+                        recorder.timeline.step_at = len(recorder.events)
+
+                _after_backward(strategy, backward_returned)
             try:
                 with _data_dependent_is_config_error(cfg), recorder or contextlib.nullcontext():
                     for i in range(micro_steps):
@@ -338,7 +347,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
         phase.peak += buckets
         phase.breakdown["communication"] = phase.breakdown.get("communication", 0) + buckets
     flops_per_micro = counter.flops // (counts if full else 1)
-    calls = (first, allocator.calls()) if allocator is not None and not full and record is None else None
+    calls = (first, allocator.calls(), step_at) if allocator is not None and not full and record is None else None
     return StepMeasurement(epilogue=epilogue, allocator_calls=calls,
                            peak=overall.peak, breakdown=overall.breakdown, sharded_grads=overall.sharded_grads,
                            forward_backward=phases.fb if full else overall, optimizer=phases.opt,
@@ -356,6 +365,17 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
                            stream_reserved=_stream_reserved(allocator) if full else 0,
                            peak_without_grads=0 if full else fb_without_grads,
                            step_tensors=len(stepped_params(tracker.optimizer)) if full else 0)
+
+
+def _after_backward(strategy: Any, then: Any) -> None:
+    """Call ``then()`` each time ``strategy``'s backward (every optim wrapper's) returns."""
+    backward = strategy.backward
+
+    def backward_then(loss: torch.Tensor, **kwargs: Any) -> None:
+        backward(loss, **kwargs)
+        then()
+
+    strategy.backward = backward_then
 
 
 def _stream_reserved(allocator: CachingAllocatorModel | None) -> int:

@@ -49,6 +49,10 @@ class Composed:
     sync: SyncProfile | None = None  # the tracked bytes at the recording's sync points, where it has them
 
 
+# In a composed step's events: its backward returned here (a full step's optimizer step goes here).
+STEP_AT = (None, "optimizer step", 0)
+
+
 class CachedTensorMutated(RuntimeError):
     """Selective checkpointing keeps a tensor that an in-place operator then overwrites: torch refuses it in
     backward, with this message."""
@@ -197,8 +201,9 @@ def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int
     allocation (after each operator's outputs, as the tracker does); a retroactive one (alive before the
     step, first seen now) raises the peak too. The simulated allocator runs them, and with ``epilogue`` two
     steps (:func:`compose`). ``events`` (a list): gets ``(key, nbytes, stream)`` for each allocation,
-    ``(key, None, 0)`` for each free, ``(key, -1, 0)`` where a storage becomes a gradient and ``(None, kind, 0)``
-    at each sync point, in order; a retroactive allocation (alive before the step) is left out."""
+    ``(key, None, 0)`` for each free, ``(key, -1, 0)`` where a storage becomes a gradient, ``(None, kind, 0)``
+    at each sync point and :data:`STEP_AT` where the backward returned, in order; a retroactive allocation (alive
+    before the step) is left out."""
     items.sort(key=lambda it: it[:3])
     allocator = None
     if tl.prefix is not None:
@@ -213,7 +218,15 @@ def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int
     kinds: list[int] = []
     # The sync points' figures (SyncProfile), and without the gradients (those of a later micro-step)
     start, at, peaks, at_ng, peaks_ng = tl.start, [], [tl.start], [], [tl.start]
-    for _, _, _, is_alloc, key, n, retro in items:
+    # The calls after the backward returned (the train step letting go of its batch and losses) come after the
+    # optimizer's step, which a full step runs before the train step returns.
+    tail_at = tl.index.end if tl.step_at is None else tl.step_at
+    tail: list[tuple] = []
+    marked = events is None
+    for i, _, _, is_alloc, key, n, retro in items:
+        if not marked and i >= tail_at:
+            events.append(STEP_AT)  # type: ignore[union-attr]
+            marked = True
         if events is not None and not retro:
             if is_alloc == "sync":
                 events.append((None, key, 0))
@@ -249,7 +262,10 @@ def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int
             if total - grads > peaks_ng[-1]:
                 peaks_ng[-1] = total - grads
             if allocator is not None:
-                allocator.malloc(("step", key), n, tl.streams.get(key, 0))
+                if i >= tail_at:
+                    tail.append((("step", key), n, tl.streams.get(key, 0)))
+                else:
+                    allocator.malloc(("step", key), n, tl.streams.get(key, 0))
         else:
             freed = sizes.pop(key)
             total -= freed
@@ -257,7 +273,10 @@ def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int
                 gradients.discard(key)
                 grads -= freed
             if allocator is not None:
-                allocator.free(("step", key))
+                if i >= tail_at:
+                    tail.append((("step", key), None, 0))
+                else:
+                    allocator.free(("step", key))
     sync = None
     if kinds:  # a later micro-step holds the whole gradients from its start; its own are added into them
         later = SyncProfile(tuple(kinds), start + grads, tuple(a + grads for a in at_ng),
@@ -267,7 +286,9 @@ def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int
         return Composed(peak, flops, ops, written, peak_without_grads=peak_ng, sync=sync)
     requested = 0
     if epilogue is not None:
-        allocator.finish_steps(first, epilogue, allocator.held_since(first), micro_steps)
+        allocator.finish_steps(first, epilogue, allocator.held_since(first), micro_steps, tail)
         requested = allocator.peak_requested
+    else:
+        allocator.run(tail)
     return Composed(peak, flops, ops, written, allocator.peak_allocated, allocator.peak_reserved, requested,
                     peak_without_grads=peak_ng, sync=sync)

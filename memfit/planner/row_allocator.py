@@ -145,13 +145,14 @@ class RowAllocator:
         elif not self._composes(plan.activation_checkpointing):  # the run's own allocator calls
             if act.allocator_calls is None:
                 return None
-            first, (trace, streams) = act.allocator_calls
+            first, (trace, streams), step_at = act.allocator_calls
             held = [(("before the step", "bucket", i), n) for i, n in enumerate(before)]
-            trace = [*trace[:first], *held, *trace[first:]]
-            streams = {i + len(held) if i >= first else i: s for i, s in streams.items()}
+            tail = [(key, n, streams.get(i, 0)) for i, (key, n) in enumerate(trace[step_at:], step_at)]
+            trace = [*trace[:first], *held, *trace[first:step_at]]
+            streams = {i + len(held) if i >= first else i: s for i, s in streams.items() if i < step_at}
             first += len(held)
             allocator = CachingAllocatorModel.rerun(trace, streams)
-            allocator.finish_steps(first, epilogue, allocator.held_since(first), micro_steps)
+            allocator.finish_steps(first, epilogue, allocator.held_since(first), micro_steps, tail)
             out = self.composed[full_key] = replace(act, cuda_allocated=allocator.peak_allocated,
                                                     cuda_reserved=allocator.peak_reserved,
                                                     cuda_requested=allocator.peak_requested)

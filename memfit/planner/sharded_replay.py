@@ -21,6 +21,7 @@ from typing import Any
 
 from memfit.measure import CachingAllocatorModel
 from memfit.planner.fake import INPUT_STREAM
+from memfit.planner.recompute import STEP_AT
 from memfit.planner.sync_points import STEP, ShardTrace
 
 _GRAD = -1  # a row event's nbytes where its storage became a gradient (memfit.planner.recompute._replay)
@@ -94,17 +95,24 @@ class _Shares:
 
 class RowCalls:
     """A composed row's calls (``recompute.compose``'s events) split at its sync points, as each micro-step of
-    gradient accumulation runs them (:func:`_copy`), each made once; ``grads``: its gradients' keys, in order."""
+    gradient accumulation runs them (:func:`_copy`), each made once; ``grads``: its gradients' keys, in order. The
+    calls after its backward returned (its ``tail``, after :data:`~memfit.planner.recompute.STEP_AT`) come after the
+    optimizer step in the micro-step that ends with it (:meth:`step`'s ``last``)."""
 
     def __init__(self, row: list[tuple[Any, Any, Any]]) -> None:
-        self.row = row
+        cut = row.index(STEP_AT) if STEP_AT in row else len(row)
+        self.row, self._tail = row[:cut], row[cut + 1:]
         self.grads = [("row", key) for key, nbytes, _ in row if nbytes == _GRAD]
-        self._steps: dict[int, list[list[tuple[Any, Any, Any]]]] = {}
+        self._steps: dict[tuple[int, bool], list[list[tuple[Any, Any, Any]]]] = {}
 
-    def step(self, c: int) -> list[list[tuple[Any, Any, Any]]]:
-        if c not in self._steps:
-            self._steps[c] = _stretches(_copy(self.row, c))
-        return self._steps[c]
+    def step(self, c: int, last: bool = False) -> list[list[tuple[Any, Any, Any]]]:
+        if (c, last) not in self._steps:
+            self._steps[(c, last)] = _stretches(_copy(self.row if last else self.row + self._tail, c))
+        return self._steps[(c, last)]
+
+    def tail(self, c: int) -> list[tuple[Any, Any, Any]]:
+        """Micro-step ``c``'s calls after its backward returned."""
+        return _copy(self._tail, c)
 
 
 class ShardedSteps:
@@ -151,7 +159,8 @@ class ShardedSteps:
         if micro_steps > 2:
             groups.insert(1, groups[0])
         calls = row if isinstance(row, RowCalls) else RowCalls(row)
-        steps = [calls.step(c) for c in range(len(groups))]
+        steps = [calls.step(c, last=c == len(groups) - 1) for c in range(len(groups))]
+        tail = calls.tail(len(groups) - 1)
         if any(len(g) != len(r) for g, r in zip(groups, steps)):
             return None
         grads = calls.grads
@@ -190,13 +199,15 @@ class ShardedSteps:
                     elif handed < len(grads):
                         free(grads[handed])
                 run_row(events[done:])
+        late = {key for key, nbytes, _ in tail if nbytes is None}
         for key in allocator.held_since(first):  # what the row still holds: gradients zero_grad frees
-            if key[0] == "row":
+            if key[0] == "row" and key not in late:
                 free(key)
         for i in range(st.end, len(st.trace)):  # the optimizer's step: on what the step made and kept
             key, nbytes = st.trace[i]
             if nbytes is None or optimizer:
                 shard_call(key, nbytes, st.streams.get(i, 0), len(groups))
+        run_row(tail)  # then the train step returns
         allocator.replay(first)
         return allocator
 

@@ -63,7 +63,8 @@ class Timeline:
     """One recorded forward/backward (see the module docstring). ``start``: tracked bytes alive when the
     recording began; ``prefix``: the simulated CUDA allocator's calls before it (``CachingAllocatorModel.calls``;
     None without one); ``streams``: the streams of allocations not on the current one;
-    ``calls``: the module name of each region call; ``parents``: the calls enclosing each call."""
+    ``calls``: the module name of each region call; ``parents``: the calls enclosing each call; ``step_at``: the
+    event where the step's backward had returned (a full step's optimizer step begins there), if it did."""
 
     events: list[tuple] = field(default_factory=list)
     start: int = 0
@@ -71,6 +72,7 @@ class Timeline:
     streams: dict[int, Hashable] = field(default_factory=dict)  # uid -> the stream it was allocated on, if not 0
     calls: list[str] = field(default_factory=list)
     parents: list[tuple[int, ...]] = field(default_factory=list)
+    step_at: int | None = None
 
     @cached_property
     def index(self) -> _Index:
@@ -122,8 +124,9 @@ class Recorder:
         # Frees with nothing between them (a structure torn down, a garbage collection) come in an order that follows
         # memory addresses, different every run: kept in the order the storages were made, so that a recording, and
         # the composed rows' simulated allocators, are the same every run.
-        events, i = self.events, len(self.events)
-        while i and events[i - 1][0] == FREE and events[i - 1][1] > uid:
+        # (Not before the backward's return, where it came after it.)
+        events, i, lo = self.events, len(self.events), self.timeline.step_at or 0
+        while i > lo and events[i - 1][0] == FREE and events[i - 1][1] > uid:
             i -= 1
         events.insert(i, (FREE, uid))
 

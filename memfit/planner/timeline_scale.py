@@ -41,7 +41,7 @@ def scaled_recording(low: StepMeasurement, high: StepMeasurement, mbs: tuple[int
 def at_micro_batch(low: Timeline, high: Timeline, mbs: tuple[int, int], mb: int) -> Timeline | None:
     """The timeline at micro-batch ``mb`` from ``low`` and ``high``, recorded at ``mbs`` (the smaller first);
     None where their events differ other than in sizes or a size would not be positive."""
-    if len(low.events) != len(high.events) or not _same_prefix(low, high):
+    if len(low.events) != len(high.events) or low.step_at != high.step_at or not _same_prefix(low, high):
         return None
     line = _Line(*mbs, mb)
     events = []
@@ -81,7 +81,7 @@ def at_micro_batch(low: Timeline, high: Timeline, mbs: tuple[int, int], mb: int)
     start = line(low.start, high.start)
     if start is None:
         return None
-    return Timeline(events, start, prefix, dict(low.streams), list(low.calls), list(low.parents))
+    return Timeline(events, start, prefix, dict(low.streams), list(low.calls), list(low.parents), low.step_at)
 
 
 class _Line:
