@@ -19,7 +19,7 @@ except ImportError:  # torch built without distributed
 
 
 def storages(obj: Any) -> Iterable[torch.UntypedStorage]:
-    """The untyped storages behind every tensor in a (nested) structure; wrapper subclasses unwrapped.
+    """The untyped storages behind every tensor in a (nested) structure, in order; wrapper subclasses unwrapped.
 
     Runs for every operator, so it walks lists, tuples and dicts itself (operator arguments hold no
     other containers) instead of through pytree, and unwraps only tensor subclasses that flatten."""
@@ -33,9 +33,9 @@ def storages(obj: Any) -> Iterable[torch.UntypedStorage]:
                 else:
                     yield x.untyped_storage()
         elif isinstance(x, (list, tuple)):
-            stack.extend(x)
+            stack.extend(reversed(x))  # in order: an operator's outputs as its kernel allocates them
         elif isinstance(x, dict):
-            stack.extend(x.values())
+            stack.extend(reversed(x.values()))
 
 
 @functools.cache
