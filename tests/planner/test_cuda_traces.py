@@ -98,10 +98,21 @@ def test_every_scratch_block_the_fake_step_adds_is_in_the_trace(name):
     ends = [s["trace_len"] for s in case["steps"]]
     step = Counter(r[2] for r in case["trace"][ends[0]:ends[1]] if r[0] == "alloc")
     added = _scratch_sizes(name)
-    assert sum(n * k for n, k in added.items()) > GiB  # ViT-S: 2.0 GiB a step in 48 blocks; Swin-T: 1.3 GiB in 40
+    assert sum(n * k for n, k in added.items()) > GiB  # ViT-S: 2.0 GiB a step in 96 blocks; Swin-T: 1.5 GiB in 112
     missing = {n: k - step[n] for n, k in added.items() if step[n] < k}
     assert not missing, f"scratch blocks the real step did not allocate: {missing}"
 
+
+
+def test_softmax_backward_multiplies_into_a_new_tensor_first():
+    """SoftMax.cu's ``tmp = grad * output``: one block of the gradient's size (fp32 where a half-precision softmax's
+    gradient comes in fp32); log-softmax's backward takes none (Swin-T's trace has one per block: the test above)."""
+    grad, out = torch.empty(8, 3, 49, 49), torch.empty(8, 3, 49, 49)
+    backward = torch.ops.aten._softmax_backward_data.default
+    assert cuda_scratch(backward, (grad, out, -1, torch.float32), None, None) == (8 * 3 * 49 * 49 * 4,)
+    assert cuda_scratch(backward, (grad, out.half(), -1, torch.float16), None, None) == (8 * 3 * 49 * 49 * 4,)
+    log = torch.ops.aten._log_softmax_backward_data.default
+    assert cuda_scratch(log, (grad, out, -1, torch.float32), None, None) == ()
 
 
 def test_a_roll_over_two_dims_leaves_a_copy_of_its_input_until_it_returns():
