@@ -45,8 +45,7 @@ from memfit.planner.devices import CUBLAS_BLOCKS
 from memfit.planner.kernel_scratch import H100_SMS, cuda_scratch
 from memfit.planner.op_counter import OpCounter
 from memfit.planner.space import technique_cfg
-
-INPUT_STREAM = "input copy"  # the simulated allocator's name for the Runner's copy stream
+from memfit.planner.step_calls import INPUT_STREAM, ddp_buckets, optimizer_epilogue, stream_reserved
 
 
 @dataclass
@@ -168,14 +167,6 @@ class _Phases:
             h.remove()
         tail = self._snapshot()
         return max(getattr(self, "overall", Phase()), tail, key=lambda p: p.peak)
-
-
-DDP_BUCKET = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb
-
-
-def ddp_buckets(total: int) -> tuple[int, ...]:
-    """The blocks DDP's buckets of ``total`` gradient bytes take (``bucket_cap_mb`` each, the last the rest)."""
-    return tuple(min(DDP_BUCKET, total - i) for i in range(0, total, DDP_BUCKET))
 
 
 def build_meta_model(model_cfg: Any) -> nn.Module:
@@ -362,7 +353,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
                            sync=recorder.profile.shifted(held) if isinstance(recorder, SyncRecorder) else None,
                            shard_trace=recorder.trace if isinstance(recorder, SyncRecorder) else None,
                            host_peak=tracker.host_peak_bytes,
-                           stream_reserved=_stream_reserved(allocator) if full else 0,
+                           stream_reserved=stream_reserved(allocator) if full else 0,
                            peak_without_grads=0 if full else fb_without_grads,
                            step_tensors=len(stepped_params(tracker.optimizer)) if full else 0)
 
@@ -376,28 +367,6 @@ def _after_backward(strategy: Any, then: Any) -> None:
         then()
 
     strategy.backward = backward_then
-
-
-def _stream_reserved(allocator: CachingAllocatorModel | None) -> int:
-    """What ``allocator`` reserved on streams other than the default one and the batches' copy stream."""
-    if allocator is None:
-        return 0
-    return sum(n for _, n, stream in allocator.segments if stream not in (0, INPUT_STREAM))
-
-
-def optimizer_epilogue(calls: list[tuple[Any, int | None]]) -> list[tuple[int, int | None]]:
-    """An optimizer step's allocator calls (``(key, nbytes)``, ``nbytes`` None for a free) keyed afresh by
-    allocation: ``(i, nbytes)`` and ``(i, None)``. Frees of blocks made before the step (the gradients,
-    ``zero_grad``) are left out: a replay frees what its own step left instead."""
-    local: dict[Any, int] = {}
-    out: list[tuple[int, int | None]] = []
-    for n, (key, nbytes) in enumerate(calls):
-        if nbytes is not None:
-            local[key] = n
-            out.append((n, nbytes))
-        elif key in local:
-            out.append((local.pop(key), None))
-    return out
 
 
 @contextlib.contextmanager

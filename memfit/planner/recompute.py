@@ -68,7 +68,7 @@ def compose(tl: Timeline, regions: Iterable[str], selective: bool = False,
     operators are kept from forward and not recomputed: ``DEFAULT_SAVE_OPS``); raises
     :class:`CachedTensorMutated` where that step would fail.
 
-    ``epilogue``: an optimizer step's allocator calls (:func:`memfit.planner.fake.optimizer_epilogue`); with it
+    ``epilogue``: an optimizer step's allocator calls (:func:`memfit.planner.step_calls.optimizer_epilogue`); with it
     the simulated allocator runs two training steps, as a real run's second step finds the segments: the
     composed forward/backward, the optimizer step (its state kept, the step's leftovers freed as
     ``zero_grad`` frees the gradients), then both again on those segments; with ``micro_steps`` > 1 each step

@@ -8,11 +8,12 @@ from dataclasses import replace
 from typing import Any
 
 from memfit.measure import CachingAllocatorModel
-from memfit.planner.fake import StepMeasurement, ddp_buckets
+from memfit.planner.fake import StepMeasurement
 from memfit.planner.recompute import compose
 from memfit.planner.results import allocator_rounding
 from memfit.planner.runs import StepFailed
 from memfit.planner.space import Plan
+from memfit.planner.step_calls import ddp_buckets
 
 
 def precision_kind(plan: Plan) -> str:

@@ -20,8 +20,8 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from memfit.measure import CachingAllocatorModel
-from memfit.planner.fake import INPUT_STREAM
 from memfit.planner.recompute import STEP_AT
+from memfit.planner.step_calls import INPUT_STREAM
 from memfit.planner.sync_points import STEP, ShardTrace
 
 _GRAD = -1  # a row event's nbytes where its storage became a gradient (memfit.planner.recompute._replay)

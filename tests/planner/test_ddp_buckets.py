@@ -41,7 +41,8 @@ def test_a_ddp_row_reserves_what_its_own_step_does(rows, name):
 
 
 def test_the_buckets_are_the_ddp_steps_communication():
-    from memfit.planner.fake import DDP_BUCKET, Phase, StepMeasurement
+    from memfit.planner.fake import Phase, StepMeasurement
+    from memfit.planner.step_calls import DDP_BUCKET
 
     shard = StepMeasurement(0, {}, Phase(0, {"communication": 2 * DDP_BUCKET + 3}), Phase())
     assert _buckets(Plan(sharding="none"), shard) == (DDP_BUCKET, DDP_BUCKET, 3)

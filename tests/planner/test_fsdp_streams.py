@@ -18,7 +18,8 @@ import torch
 
 import memfit.planner.fake as fake
 from memfit.measure import CachingAllocatorModel
-from memfit.planner.fake import INPUT_STREAM, fake_process_group, measure_step
+from memfit.planner.fake import fake_process_group, measure_step
+from memfit.planner.step_calls import INPUT_STREAM
 from tests.measure.test_allocator_traces import _case
 
 BATCH = {"img": torch.zeros(32, 3, 224, 224), "label": torch.zeros(32, dtype=torch.long)}

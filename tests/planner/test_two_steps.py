@@ -13,9 +13,10 @@ import pytest
 from memfit.measure import CachingAllocatorModel
 from memfit.planner.commands import parse_plan
 from memfit.planner.devices import gpu
-from memfit.planner.fake import build_meta_model, optimizer_epilogue
+from memfit.planner.fake import build_meta_model
 from memfit.planner.predict import predict
 from memfit.planner.space import ModelFacts, configured_plan
+from memfit.planner.step_calls import optimizer_epilogue
 
 MiB = 2**20
 
