@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from memfit.measure import CachingAllocatorModel
+from memfit.planner.step_calls import bucket_calls
 from memfit.planner.sync_points import SyncProfile
 from memfit.planner.timeline import ALLOC, FREE, OP, SCRATCH, Timeline
 
@@ -208,8 +209,7 @@ def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int
     allocator = None
     if tl.prefix is not None:
         allocator = CachingAllocatorModel.rerun(*tl.prefix)
-        for i, n in enumerate(before):
-            allocator.malloc(("before the step", "bucket", i), n)
+        allocator.run(bucket_calls(before))
     total = peak = peak_ng = tl.start
     grads = 0  # the bytes of storages that became gradients
     gradients: set[Any] = set()

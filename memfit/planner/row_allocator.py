@@ -13,7 +13,7 @@ from memfit.planner.recompute import compose
 from memfit.planner.results import allocator_rounding
 from memfit.planner.runs import StepFailed
 from memfit.planner.space import Plan
-from memfit.planner.step_calls import ddp_buckets
+from memfit.planner.step_calls import bucket_calls, ddp_buckets
 
 
 def precision_kind(plan: Plan) -> str:
@@ -147,13 +147,12 @@ class RowAllocator:
             if act.allocator_calls is None:
                 return None
             first, (trace, streams), step_at = act.allocator_calls
-            held = [(("before the step", "bucket", i), n) for i, n in enumerate(before)]
-            tail = [(key, n, streams.get(i, 0)) for i, (key, n) in enumerate(trace[step_at:], step_at)]
-            trace = [*trace[:first], *held, *trace[first:step_at]]
-            streams = {i + len(held) if i >= first else i: s for i, s in streams.items() if i < step_at}
-            first += len(held)
-            allocator = CachingAllocatorModel.rerun(trace, streams)
-            allocator.finish_steps(first, epilogue, allocator.held_since(first), micro_steps, tail)
+            calls = [(key, n, streams.get(i, 0)) for i, (key, n) in enumerate(trace)]
+            allocator = CachingAllocatorModel()
+            allocator.run([*calls[:first], *bucket_calls(before)])
+            start = len(allocator.trace)
+            allocator.run(calls[first:step_at])
+            allocator.finish_steps(start, epilogue, allocator.held_since(start), micro_steps, calls[step_at:])
             out = self.composed[full_key] = replace(act, cuda_allocated=allocator.peak_allocated,
                                                     cuda_reserved=allocator.peak_reserved,
                                                     cuda_requested=allocator.peak_requested)

@@ -65,7 +65,7 @@ def _run_one(cfg: dict, full: bool, steps: int, cuda: tuple[int, int] | None,
     """The fake step (``cuda``: the target GPU's SMs and threads per SM; None: a CPU target; ``optimizer_only``: its
     optimizer's step alone, :func:`~memfit.planner.host_step.optimizer_step`), or why it failed (returned, so that
     the cache keeps it beside the measurements)."""
-    batch = _WORKER["inputs"].batch(cfg["train_dataloader"]["batch_size"])
+    batch = None if optimizer_only else _WORKER["inputs"].batch(cfg["train_dataloader"]["batch_size"])
     try:
         if optimizer_only:
             return optimizer_step(cfg, _WORKER["meta"])

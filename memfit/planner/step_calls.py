@@ -5,6 +5,7 @@ sharding's own streams reserved (:func:`memfit.planner.fake.measure_step`; compo
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 from memfit.measure import CachingAllocatorModel
@@ -16,6 +17,12 @@ DDP_BUCKET = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb
 def ddp_buckets(total: int) -> tuple[int, ...]:
     """The blocks DDP's buckets of ``total`` gradient bytes take (``bucket_cap_mb`` each, the last the rest)."""
     return tuple(min(DDP_BUCKET, total - i) for i in range(0, total, DDP_BUCKET))
+
+
+def bucket_calls(sizes: tuple[int, ...]) -> list[tuple[Hashable, int, int]]:
+    """A composed row's simulated allocator calls for DDP's bucket blocks held from before its step (``sizes``:
+    :func:`ddp_buckets`'), as ``CachingAllocatorModel.run`` takes them."""
+    return [(("before the step", "bucket", i), n, 0) for i, n in enumerate(sizes)]
 
 
 def stream_reserved(allocator: CachingAllocatorModel | None) -> int:
