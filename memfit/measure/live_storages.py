@@ -4,12 +4,14 @@ tensors: a ``TorchDispatchMode`` that keeps the running total and peak of live s
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
 from torch._guards import active_fake_mode
+from torch._prims_common import is_non_overlapping_and_dense_or_false as _dense
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -26,6 +28,7 @@ _COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional", "fsdp"})
 _OVERRIDABLE = frozenset({"activations", "inputs"})
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 _DEVICE = torch.ops.prim.device.default  # a fake tensor's .device: 2 in 3 of a fake step's calls, no memory
+_ADD = torch.ops.aten.add.Tensor
 
 
 class LiveStorages(TorchDispatchMode):
@@ -61,6 +64,14 @@ class LiveStorages(TorchDispatchMode):
         self._orig_resize: Any = None
         self._orig_propagate: Any = None
         self.metadata_only = 0  # > 0 while DTensor computes an output's shape on stand-in tensors
+        # A gradient sum not yet counted: (its storage, the older gradient's key, category), until the next event
+        # shows whether the older one was freed at once (summed in place) or not (:meth:`_sums_gradients`).
+        self._pending: tuple[torch.UntypedStorage, int, str] | None = None
+        # A storage -> the key of its allocator block, where that is not its id: a sum summed in place holds the
+        # older gradient's block, whose key (that storage's id) a new storage may then be given by Python.
+        self._block: dict[int, Hashable] = {}
+        self._borrowed: set[Hashable] = set()  # keys of blocks a storage of another id holds
+        self._fresh_keys = itertools.count()
         self.observer: Callable[[Any, Any, Any, Any], None] | None = None  # sees every counted operator
         self.allocator: CachingAllocatorModel | None = None  # replays every allocation and free
         # The streams the allocator is told of: torch.cpu's default one is 0, the others 1, 2, ... as first used.
@@ -78,6 +89,8 @@ class LiveStorages(TorchDispatchMode):
     # -- bookkeeping ------------------------------------------------------------------------------
     def add(self, st: torch.UntypedStorage, category: str, retroactive: bool = False) -> None:
         """Count ``st`` under ``category``; a storage seen before only has its size re-read."""
+        if self._pending is not None:
+            self._count_sum()
         key = id(st)
         entry = self.live.get(key)
         if entry is not None:
@@ -92,8 +105,8 @@ class LiveStorages(TorchDispatchMode):
                 self.total += n - entry[1]
                 entry[1] = n
                 if self.allocator is not None:  # another block (FSDP2 resizes between 0 and full size)
-                    self.allocator.free(key)
-                    self.allocator.malloc(key, n, self.stream())
+                    self._free_block(key)
+                    self._malloc(key, n, self.stream())
                 if self.timeline is not None:
                     self.timeline.free(key)
                     self.timeline.alloc(key, n, False, self.stream())
@@ -108,7 +121,7 @@ class LiveStorages(TorchDispatchMode):
             return
         stream = self.input_stream if category == "inputs" and self.input_stream is not None else self.stream()
         if self.allocator is not None:
-            self.allocator.malloc(key, n, stream)
+            self._malloc(key, n, stream)
         if self.timeline is not None:
             self.timeline.alloc(key, n, retroactive, stream)
         self.current[category] += n
@@ -120,6 +133,8 @@ class LiveStorages(TorchDispatchMode):
 
     def hold(self, key: Hashable, nbytes: int, category: str, stream: Hashable) -> None:
         """``nbytes`` held from now to the end, which no tensor of the step shows (a CUDA target's next batch)."""
+        if self._pending is not None:
+            self._count_sum()
         self.current[category] += nbytes
         self.total += nbytes
         self.update_peak()
@@ -186,14 +201,73 @@ class LiveStorages(TorchDispatchMode):
             self.peak_breakdown[old] -= moved
             self.peak -= moved
         if self.allocator is not None:
-            self.allocator.free(key)
+            self._free_block(key)
         if self.timeline is not None:
             self.timeline.free(key)
         entry[2] = HOST
         self.host += n
         self.host_peak = max(self.host_peak, self.host)
 
+    def _sums_gradients(self, func: Any, args: tuple, kwargs: dict | None, out: Any) -> bool:
+        """``old + new`` as autograd's InputBuffer sums two gradients of one tensor in a backward (grad mode off):
+        on real tensors it adds ``new`` into ``old`` in place where ``old`` is a dense tensor, no view, whose
+        storage it holds alone (``can_accumulate_inplace``, torch/csrc/autograd/input_buffer.cpp); fake tensors
+        are summed out of place. Whether it held ``old`` alone shows next: ``old``'s storage is freed at once."""
+        if func is not _ADD or kwargs or len(args) != 2 or torch.is_grad_enabled() or \
+                torch._C._current_graph_task_id() == -1:
+            return False
+        old, new = args
+        return (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and isinstance(out, torch.Tensor)
+                and old.shape == new.shape == out.shape and old.dtype == out.dtype and old.layout is torch.strided
+                and not old._is_view() and _dense(old) and id(old.untyped_storage()) in self.live
+                and old.untyped_storage().nbytes() == out.untyped_storage().nbytes())
+
+    def _count_sum(self, in_place_of: list | None = None) -> None:
+        """Count the pending gradient sum: a new storage, or (``in_place_of``: the older gradient's entry, just
+        freed) the older one's bytes and allocator block, as a real tensor's in-place sum would have kept them."""
+        st, old_key, category = self._pending
+        self._pending = None
+        if in_place_of is None:
+            self.add(st, category)
+            self.update_peak()
+            return
+        key, n = id(st), in_place_of[1]
+        self.live[key] = [weakref.ref(st, lambda r, key=key: self._free(key, r)), n, category, in_place_of[3]]
+        self.current[category] += n
+        self.total += n
+        block = self._block[key] = self._block.pop(old_key, old_key)
+        self._borrowed.add(block)
+        if self.timeline is not None:
+            self.timeline.rename(old_key, key)
+
+    def _malloc(self, key: int, nbytes: int, stream: Hashable) -> None:
+        """A block for storage ``key``, under its id unless a summed gradient's block holds that key still."""
+        if key in self._borrowed:
+            self._block[key] = ("storage", next(self._fresh_keys))
+        self.allocator.malloc(self._block.get(key, key), nbytes, stream)
+
+    def _free_block(self, key: int) -> None:
+        block = self._block.pop(key, key)
+        self._borrowed.discard(block)
+        self.allocator.free(block)
+
     def _free(self, key: int, ref: weakref.ref) -> None:
+        """A storage died: freed, unless it is the older gradient a pending sum was added into (then the sum takes
+        its block)."""
+        if self._pending is None:
+            self._drop(key, ref)
+        elif self._pending[1] != key:
+            self._count_sum()
+            self._drop(key, ref)
+        else:
+            entry = self.live.get(key)
+            if entry is None or entry[0] is not ref:
+                self._count_sum()
+                return
+            self._drop(key, ref, keep_block=True)
+            self._count_sum(in_place_of=entry)
+
+    def _drop(self, key: int, ref: weakref.ref, keep_block: bool = False) -> None:
         entry = self.live.get(key)
         if entry is not None and entry[0] is ref and entry[2] == HOST:
             del self.live[key]
@@ -201,9 +275,9 @@ class LiveStorages(TorchDispatchMode):
         elif entry is not None and entry[0] is ref:
             del self.live[key]
             self._unshard(key, entry[1])
-            if self.allocator is not None:
-                self.allocator.free(key)
-            if self.timeline is not None:
+            if self.allocator is not None and not keep_block:
+                self._free_block(key)
+            if self.timeline is not None and not keep_block:
                 self.timeline.free(key)
             self.current[entry[2]] -= entry[1]
             self.total -= entry[1]
@@ -214,6 +288,8 @@ class LiveStorages(TorchDispatchMode):
             if self.timeline is not None and getattr(sizes, "spec", None) is not None:
                 self.timeline.scratch(sizes)  # a reduction that takes none here may at another micro-batch
             return
+        if self._pending is not None:
+            self._count_sum()
         keys = [("scratch", self.serial, i) for i in range(len(sizes))]
         if self.allocator is not None:
             for key, n in zip(keys, sizes):
@@ -284,6 +360,8 @@ class LiveStorages(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
+        if self._pending is not None:
+            self._count_sum()
         torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
         if self._orig_propagate is not None:
             _ShardingPropagator._propagate_tensor_meta_non_cached = self._orig_propagate
@@ -317,6 +395,8 @@ class LiveStorages(TorchDispatchMode):
         if own:
             if comm:
                 self._communication(storages(out))
+            elif self._sums_gradients(func, args, kwargs, out):
+                self._pending = (out.untyped_storage(), id(args[0].untyped_storage()), self.new_category)
             else:
                 for st in storages(out):
                     if id(st) not in self.stand_ins:

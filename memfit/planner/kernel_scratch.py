@@ -2,13 +2,13 @@
 not: the planner adds it to a CUDA target's step (:class:`memfit.measure.live_storages.LiveStorages`'s
 ``scratch``), allocated after the operator's outputs and freed when the operator returns.
 
-Three operators so far: ``torch.roll`` over several dims (:func:`roll_scratch`), softmax's backward
-(:func:`softmax_backward_scratch`), and the largest family in vision training, ATen's sums and means
-(``aten/src/ATen/native/cuda/Reduce.cuh``). When a reduction's few outputs each sum many inputs (a bias
-gradient: a linear layer's output gradient summed over batch and tokens), the kernel splits every output's
-inputs over several thread blocks and stages their partial sums in a global buffer of fp32 values
-(``ReduceConfig::global_memory_size``) plus a semaphore per output block. ViT-S/16 at batch 32: 74 MiB for
-each MLP's first bias gradient, freed at once but counted in ``max_memory_allocated``.
+Four operators so far: ``torch.roll`` over several dims (:func:`roll_scratch`), softmax's backward
+(:func:`softmax_backward_scratch`), fused attention's backward (:func:`attention_backward_scratch`), and the
+largest family in vision training, ATen's sums and means (``aten/src/ATen/native/cuda/Reduce.cuh``). When a
+reduction's few outputs each sum many inputs (a bias gradient: a linear layer's output gradient summed over batch
+and tokens), the kernel splits every output's inputs over several thread blocks and stages their partial sums in
+a global buffer of fp32 values (``ReduceConfig::global_memory_size``) plus a semaphore per output block. ViT-S/16
+at batch 32: 74 MiB for each MLP's first bias gradient, freed at once but counted in ``max_memory_allocated``.
 
 Our own port because torch exposes no way to ask a CUDA kernel's launch configuration without a GPU: the
 arithmetic of ``setReduceConfig`` and of TensorIterator's dimension order, for the target's SMs and threads per
@@ -37,6 +37,10 @@ _OVER_DIMS = frozenset({_aten.sum.dim_IntList, _aten.mean.dim})
 _OVER_ALL = frozenset({_aten.sum.default, _aten.mean.default})
 _ROLL = _aten.roll.default
 _SOFTMAX_BACKWARD = _aten._softmax_backward_data.default
+# What scaled_dot_product_attention's backward dispatches on a fake CPU step (absent from builds without it).
+_SDPA_BACKWARD = getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+_SDPA_BACKWARD = _SDPA_BACKWARD.default if _SDPA_BACKWARD is not None else None
+_KEY_BLOCK = 64  # the memory-efficient backward's keys per block (kBlockSizeJ): more keys, and dQ accumulates
 
 
 def roll_scratch(args: tuple, kwargs: dict | None) -> tuple[int, ...]:
@@ -63,6 +67,22 @@ def softmax_backward_scratch(args: tuple, kwargs: dict | None) -> tuple[int, ...
     return (grad.numel() * torch.promote_types(grad.dtype, output.dtype).itemsize,)
 
 
+def attention_backward_scratch(args: tuple, kwargs: dict | None) -> tuple[int, ...]:
+    """``scaled_dot_product_attention``'s backward in fp16/bf16 on CUDA runs the memory-efficient kernel
+    (``_efficient_attention_backward``), which accumulates dQ in fp32 beside each row's softmax delta when the keys
+    span more than one block: a byte workspace of ``batch x heads x queries x (head dim + 1)`` floats and 256 bytes,
+    after its outputs (ViT-L/16 at batch 64 in the H100 trace: 52,449,536 bytes in each of the 24 blocks' backward;
+    ViT-S/16 at batch 32: 9,834,496 in each of 12). Fewer keys than a block (a Swin window's 49) take none; fp32
+    inputs, which the traces do not show, none here."""
+    query, key = args[1], args[2]
+    if not isinstance(query, torch.Tensor) or query.dtype not in (torch.float16, torch.bfloat16) or query.dim() != 4:
+        return ()
+    if key.shape[-2] <= _KEY_BLOCK:
+        return ()
+    batch, heads, queries, dim = query.shape
+    return (batch * heads * queries * (dim + 1) * 4 + 256,)
+
+
 def cuda_scratch(func: Any, args: tuple, kwargs: dict | None, out: Any, sms: tuple[int, int] = H100_SMS
                  ) -> tuple[int, ...]:
     """Bytes of the scratch blocks ``func`` takes for these arguments on a CUDA device of ``sms`` (SMs, threads
@@ -71,6 +91,8 @@ def cuda_scratch(func: Any, args: tuple, kwargs: dict | None, out: Any, sms: tup
         return roll_scratch(args, kwargs)
     if func is _SOFTMAX_BACKWARD:
         return softmax_backward_scratch(args, kwargs)
+    if func is _SDPA_BACKWARD:
+        return attention_backward_scratch(args, kwargs)
     if func in _OVER_DIMS:
         x = args[0]
         dim = args[1] if len(args) > 1 else (kwargs or {}).get("dim")

@@ -210,6 +210,9 @@ class SyncRecorder:
     def gradient(self, key: int) -> None:
         pass
 
+    def rename(self, old: int, new: int) -> None:
+        pass
+
     def scratch(self, sizes: tuple[int, ...]) -> None:
         self._tag()
         self._seen(self.mode.total + sum(sizes))  # blocks the operator just counted held beside its outputs

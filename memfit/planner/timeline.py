@@ -130,6 +130,11 @@ class Recorder:
             i -= 1
         events.insert(i, (FREE, uid))
 
+    def rename(self, old: int, new: int) -> None:
+        uid = self._uids.pop(old, None)
+        if uid is not None:
+            self._uids[new] = uid
+
     def gradient(self, key: int) -> None:
         """Storage ``key`` became a gradient (autograd accumulated it into a parameter's ``.grad``)."""
         uid = self._uids.get(key)
