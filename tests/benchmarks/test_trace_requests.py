@@ -23,3 +23,19 @@ def test_a_missing_temporary_and_a_reordered_free_show(bench_script):
     assert out["more"] == {2 * MiB: -1}
     assert 0 < out["ratio"] < 1 and out["regions"]
     assert tr.compare(real, real)["ratio"] == 1.0 and tr.compare(real, real)["regions"] == []
+
+
+def test_a_workspace_only_the_trace_has_is_put_after_the_fake_steps_operator(bench_script):
+    """``--ops``: the replayed calls carry the operator that made the first step's call they repeat (the block the
+    step kept, its optimizer state, is not allocated again), and a block the trace allocates and frees at once where
+    the fake step has nothing is listed after the operator before it."""
+    tr = bench_script("trace_requests")
+    trace = [("state", 3 * MiB), ("x", 4 * MiB), ("y", 2 * MiB), ("x", None), ("y", None),
+             (("again", "x"), 4 * MiB), (("again", "y"), 2 * MiB), (("again", "x"), None), (("again", "y"), None)]
+    where = tr.origins(trace, 0, kept={"state"})
+    assert where == [1, 2, 3, 4]
+    labels = {0: "adam", 1: "conv", 2: "relu", 3: "relu", 4: "sum"}
+    fake = tr.replayed_step(trace, where, labels)
+    assert fake == [("+", 4 * MiB, "conv"), ("+", 2 * MiB, "relu"), ("-", 4 * MiB, "relu"), ("-", 2 * MiB, "sum")]
+    real = [("+", 4 * MiB), ("+", 8 * MiB), ("-", 8 * MiB), ("+", 2 * MiB), ("-", 4 * MiB), ("-", 2 * MiB)]
+    assert tr.workspaces(real, fake) == {"conv": [8 * MiB]}
