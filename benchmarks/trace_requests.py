@@ -113,34 +113,21 @@ def _case(name: str) -> dict:
     raise SystemExit(f"no traced case named {name!r} in {FIXTURES}: see the fixtures' README")
 
 
-class _Images:
-    """The cuda13 fixture's dataset (``RandomImages``), only its shapes: normalised images and labels."""
-
-    def __init__(self, image_size: int, count: int = 1, length: int = 1, num_classes: int = 1000) -> None:
-        self.size, self.length = image_size, length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, i: int) -> dict:
-        import torch
-
-        return {"img": torch.zeros(3, self.size, self.size), "label": 0}
-
-
 def _config(name: str, tmp: str) -> dict:
     """The case's config as its run trained it, on the target as ``memfit plan --as-is`` sets it (its data, where
     it has files, written in ``tmp``)."""
     from memfit.planner.devices import GPUS
     from memfit.planner.predict import on_target
 
+    sys.path.insert(0, str(Path(__file__).parent))
     case = _case(name)
     if "runner_cfg" in case:  # one of the six memfit runs (h100_torch2.11_cuda13.json.gz)
+        from throughput_paths import RandomImages
+
         cfg = dict(case["runner_cfg"])
         loader = dict(cfg["train_dataloader"])
-        loader["dataset"] = _Images(**{k: v for k, v in loader["dataset"].items() if k != "type"})
+        loader["dataset"] = RandomImages(**{k: v for k, v in loader["dataset"].items() if k != "type"})
         return on_target({**cfg, "train_dataloader": loader}, GPUS["H100"])
-    sys.path.insert(0, str(Path(__file__).parent))
     import gpu_calibration as cal
 
     _, spec, options, words = next(c for c in cal.CASES if c[0] == name)

@@ -247,6 +247,7 @@ class LiveStorages(TorchDispatchMode):
         self.allocator.malloc(self._block.get(key, key), nbytes, stream)
 
     def _free_block(self, key: int) -> None:
+        """Free storage ``key``'s allocator block (its own, or the one it took over in place)."""
         block = self._block.pop(key, key)
         self._borrowed.discard(block)
         self.allocator.free(block)
