@@ -15,7 +15,7 @@ from memfit.planner.row_allocator import RowAllocator, activations_key, precisio
 from memfit.planner.runs import Runs, StepFailed
 from memfit.planner.sharded_replay import ShardedRows
 from memfit.planner.space import Plan, checkpointed_modules
-from memfit.planner.sync_points import sharded_peak
+from memfit.planner.sync_points import SYNC_ONLY, sharded_peak
 from memfit.planner.timeline_scale import scaled_recording
 
 _COMPOSED = ("none", "stages", "blocks", "every2", "selective")  # checkpointing choices composed (and firstN)
@@ -84,8 +84,9 @@ class Composer(RowAllocator):
         """The single-process forward/backward of ``plan``'s activation choices at micro-batch ``mb``."""
         choice = plan.activation_checkpointing
         if not self._composes(choice):
+            # Run as it is, its sync points recorded: a sharded row takes its sharding's buffers at them
             run = self.runs.run(("act", *activations_key(plan, mb)), self._act_plan(plan, mb, choice), full=False,
-                                single=True)
+                                single=True, record=(SYNC_ONLY, *self.record))
             if choice == "none":
                 return run
             plain = self._act(replace(plan, activation_checkpointing="none"), mb)  # what recomputation adds
@@ -187,8 +188,7 @@ class Composer(RowAllocator):
         (:func:`~memfit.planner.sync_points.sharded_peak`): of each micro-step where the step accumulates (the first
         keeps its unsharded gradients; the last holds them from its start and reduce-scatters them), else of its one
         forward/backward; None where a step has no sync points."""
-        if shard.sync is None or not self._composes(plan.activation_checkpointing) or \
-                not self._composes(ref.activation_checkpointing):
+        if shard.sync is None:
             return None
         ref_sync, row_sync = self._act(ref, mb).sync, self._act(plan, plan.micro_batch).sync
         if ref_sync is None or row_sync is None:
@@ -210,7 +210,7 @@ class Composer(RowAllocator):
         offload = "none" if plan.offload == "optimizer" and plan.sharding != "zero2" else plan.offload
         fused = self._device_fused(plan)
         # A ZeRO-2 or FSDP step records its sync points (memfit.planner.sync_points).
-        sync = self.record if plan.sharding in ("zero2", "fsdp") and self.recorded else None
+        sync = self.record if plan.sharding in ("zero2", "fsdp") else None
         return self.runs.run(("shard", plan.sharding, offload, plan.channels_last, fused, mb, k),
                              replace(ref, sharding=plan.sharding, offload=offload, micro_batch=mb,
                                      accumulative_counts=k, fused_optimizer=fused), full=True, steps=1, record=sync)

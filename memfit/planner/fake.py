@@ -46,6 +46,7 @@ from memfit.planner.kernel_scratch import H100_SMS, cuda_scratch
 from memfit.planner.op_counter import OpCounter
 from memfit.planner.space import technique_cfg
 from memfit.planner.step_calls import INPUT_STREAM, ddp_buckets, optimizer_epilogue, stream_reserved
+from memfit.planner.sync_points import SYNC_ONLY
 
 
 @dataclass
@@ -236,7 +237,8 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
     ``record``: a forward/backward run records its timeline (:mod:`memfit.planner.timeline`), with the calls
     of the modules so named as the regions checkpointing choices are composed over; its own figures are then
     not the step's (the recording keeps no saved tensor): compose them from ``timeline``. A full run records the
-    :class:`~memfit.planner.sync_points.SyncProfile` of its micro-steps' forward/backward (``sync``).
+    :class:`~memfit.planner.sync_points.SyncProfile` of its micro-steps' forward/backward (``sync``), as does a
+    forward/backward whose ``record`` begins with :data:`SYNC_ONLY` (its figures then the step's own).
     """
     import time
 
@@ -284,10 +286,11 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
         allocator = CachingAllocatorModel() if cuda else None
         epilogue = None
         recorder: Recorder | SyncRecorder | None = None
+        sync_only = record is not None and record[:1] == (SYNC_ONLY,)
         if record is not None:
             modules = dict(model.named_modules())
             regions = {n: modules[n] for n in record if n in modules}
-            recorder = SyncRecorder(model, regions) if full else Recorder(regions, allocator, model)
+            recorder = SyncRecorder(model, regions) if full or sync_only else Recorder(regions, allocator, model)
         observer = recorder.observe(counter) if recorder is not None else counter
         with counter, MemoryTracker(model, wrapper.optimizer, observer=observer, allocator=allocator) as tracker, \
                 cuda_autocast_on_cpu(cuda), measured_for("cuda" if cuda else None):
@@ -338,7 +341,8 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
         phase.peak += buckets
         phase.breakdown["communication"] = phase.breakdown.get("communication", 0) + buckets
     flops_per_micro = counter.flops // (counts if full else 1)
-    calls = (first, allocator.calls(), step_at) if allocator is not None and not full and record is None else None
+    own_calls = allocator is not None and not full and (record is None or sync_only)
+    calls = (first, allocator.calls(), step_at) if own_calls else None
     return StepMeasurement(epilogue=epilogue, allocator_calls=calls,
                            peak=overall.peak, breakdown=overall.breakdown, sharded_grads=overall.sharded_grads,
                            forward_backward=phases.fb if full else overall, optimizer=phases.opt,

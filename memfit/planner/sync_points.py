@@ -31,6 +31,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 ENTER, EXIT, BACKWARD, BACKWARD_END = range(4)  # a call's forward begins, ends; its backward begins, ends
 STEP = 4  # a recorded step's next micro-step begins (its model's forward is called again)
+# A forward/backward's ``record`` (memfit.planner.fake.measure_step) that begins with this records its sync points
+# only, not a timeline: a checkpointing choice run as it is (a model with its own checkpointing switch).
+SYNC_ONLY = "sync points only"
 # Where FSDP2's code is: an allocation or free made while one of its frames runs is the sharding's own.
 _FSDP_DIR = os.path.join("torch", "distributed", "fsdp", "")
 
@@ -71,7 +74,8 @@ class SyncProfile:
     def shifted(self, nbytes: int) -> SyncProfile:
         """The same with ``nbytes`` more held throughout."""
         return SyncProfile(self.kinds, self.start + nbytes, tuple(a + nbytes for a in self.at),
-                           tuple(p + nbytes for p in self.peaks), self.late)
+                           tuple(p + nbytes for p in self.peaks), self.late,
+                           self.later.shifted(nbytes) if self.later is not None else None)
 
     def micro_steps(self) -> list[SyncProfile]:
         """A recorded step's profile of each micro-step (split at its STEP points)."""
@@ -152,6 +156,10 @@ class SyncRecorder:
         self.at: list[int] = []
         self.peaks: list[int] = []
         self.late: list[bool] = []
+        # The same without the gradients made so far: a later micro-step's, which holds the whole gradients instead
+        self._start_ng = self._grads = 0
+        self._at_ng: list[int] = []
+        self._peaks_ng: list[int] = []
         self._ops = self._peak_op = 0  # operators in the current stretch; of them, where its peak was
         self._calls = 0  # of the model's forward
         self._handles: list[Any] = []
@@ -189,12 +197,20 @@ class SyncRecorder:
             self.kinds.append(kind)
             self.at.append(total)
             self.peaks.append(total)
+            without = total - self.mode.current["gradients"]
+            self._at_ng.append(without)
+            self._peaks_ng.append(without)
             self._ops = self._peak_op = 0
 
     def _seen(self, total: int) -> None:
-        if self._open and total > self.peaks[-1]:
+        if not self._open:
+            return
+        if total > self.peaks[-1]:
             self.peaks[-1] = total
             self._peak_op = self._ops
+        without = total - self.mode.current["gradients"]
+        if without > self._peaks_ng[-1]:
+            self._peaks_ng[-1] = without
 
     # -- the live storages' calls ---------------------------------------------------------------------------
     def alloc(self, key: int, nbytes: int, retroactive: bool, stream: Any = 0) -> None:
@@ -203,6 +219,9 @@ class SyncRecorder:
             self.start += nbytes
             self.at = [a + nbytes for a in self.at]
             self.peaks = [p + nbytes for p in self.peaks]
+            self._start_ng += nbytes
+            self._at_ng = [a + nbytes for a in self._at_ng]
+            self._peaks_ng = [p + nbytes for p in self._peaks_ng]
 
     def free(self, key: int) -> None:
         self._tag()
@@ -239,6 +258,7 @@ class SyncRecorder:
                 self._end = len(self.mode.allocator.trace)
             self._seen(self.mode.total)
             self.late.append(2 * self._peak_op > self._ops)
+            self._grads = self.mode.current["gradients"]
             self._open = False
 
     def __enter__(self) -> SyncRecorder:
@@ -246,10 +266,15 @@ class SyncRecorder:
         self._first = len(self.mode.allocator.trace) if self.mode.allocator is not None else 0
         self.start = self.mode.total
         self.peaks = [self.start]
+        self._start_ng = self.start - self.mode.current["gradients"]
+        self._peaks_ng = [self._start_ng]
+        self._grads = 0
         self.mode.timeline = self
         self._handles = install_hooks(self.model, self.regions, self.point)
         self._handles.append(register_optimizer_step_pre_hook(self._close))
-        self._handles.append(self.model.register_forward_pre_hook(self._micro_step))
+        # Before the model's own point (a model holding parameters itself, DINO's level embedding, has one): a
+        # micro-step's points all come after its STEP.
+        self._handles.append(self.model.register_forward_pre_hook(self._micro_step, prepend=True))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -265,7 +290,15 @@ class SyncRecorder:
 
     @property
     def profile(self) -> SyncProfile:
-        return SyncProfile(tuple(self.kinds), self.start, tuple(self.at), tuple(self.peaks), tuple(self.late))
+        """The recorded profile; for a forward/backward (one micro-step), with ``later``: the same as a later
+        micro-step of gradient accumulation would hold it (the gradients it made held from its start instead of as
+        it makes them), as a composition's (:mod:`memfit.planner.recompute`)."""
+        later = None
+        if STEP not in self.kinds:
+            g = self._grads
+            later = SyncProfile(tuple(self.kinds), self._start_ng + g, tuple(a + g for a in self._at_ng),
+                                tuple(p + g for p in self._peaks_ng))
+        return SyncProfile(tuple(self.kinds), self.start, tuple(self.at), tuple(self.peaks), tuple(self.late), later)
 
 
 def sharded_peak(shard: SyncProfile | None, ref: SyncProfile | None, row: SyncProfile | None) -> int | None:

@@ -146,3 +146,34 @@ def test_the_reference_steps_peak_was_off_where_checkpointing_moves_the_peak(hea
     assert abs(before.allocated / own.allocated - 1) > 0.02
 
 
+
+
+@pytest.fixture(scope="module")
+def rows_run_as_they_are():
+    """Rows of the heavy net with each checkpointing choice run as it is rather than composed (as for a model with its
+    own checkpointing switch, DINO's: ``MEMFIT_PLAN_COMPOSE_AC=0`` here), with and without their runs' sync points,
+    and their own fake steps, at 4 ranks on a 4090."""
+    cfg = _heavy_cfg()
+    facts = ModelFacts.of(build_meta_model(cfg["model"]))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MEMFIT_PLAN_COMPOSE_AC", "0")
+        rows = {r.plan.name: r for r in predict(cfg, device=gpu("4090"), world_size=4, verify=False).results}
+        mp.setattr(composer.Composer, "_sharded_peak", lambda *a: None)
+        before = {r.plan.name: r for r in predict(cfg, device=gpu("4090"), world_size=4, verify=False).results}
+    out = {}
+    for words, micro in (("fp32 ac:blocks fsdp", "mb8x1"), ("fp32 ac:blocks fsdp", "mb2x4"), ("fp32 zero2", "mb2x4")):
+        name = next(n for n in rows if n.startswith(words + " ") and n.endswith(micro) and "offload" not in n)
+        own = predict(replace(rows[name].plan, configured=False).apply(cfg, facts), device=gpu("4090"),
+                      world_size=4, as_is=True).results[0]
+        out[(words, micro)] = (rows[name], before[name], own)
+    return out
+
+
+def test_rows_run_as_they_are_take_the_shardings_buffers_at_their_sync_points(rows_run_as_they_are):
+    """A forward/backward run as it is records its sync points too (``SYNC_ONLY``), and a later micro-step's as a
+    composition's: its row allocates what its own fake step does. Without them, the reference step's peak: the
+    checkpointed FSDP row 2.5% under."""
+    for key, (row, _, own) in rows_run_as_they_are.items():
+        assert row.allocated == pytest.approx(own.allocated, rel=1e-3), (key, row.allocated / MiB, own.allocated / MiB)
+    _, before, own = rows_run_as_they_are[("fp32 ac:blocks fsdp", "mb8x1")]
+    assert abs(before.allocated / own.allocated - 1) > 0.02
