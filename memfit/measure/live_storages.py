@@ -4,18 +4,17 @@ tensors: a ``TorchDispatchMode`` that keeps the running total and peak of live s
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
 from torch._guards import active_fake_mode
-from torch._prims_common import is_non_overlapping_and_dense_or_false as _dense
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.measure.caching_allocator import CachingAllocatorModel
+from memfit.measure.gradient_sums import BlockKeys, sums_gradients
 from memfit.measure.storages import storages
 
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "communication", "inputs")
@@ -28,7 +27,6 @@ _COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional", "fsdp"})
 _OVERRIDABLE = frozenset({"activations", "inputs"})
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 _DEVICE = torch.ops.prim.device.default  # a fake tensor's .device: 2 in 3 of a fake step's calls, no memory
-_ADD = torch.ops.aten.add.Tensor
 
 
 class LiveStorages(TorchDispatchMode):
@@ -65,13 +63,9 @@ class LiveStorages(TorchDispatchMode):
         self._orig_propagate: Any = None
         self.metadata_only = 0  # > 0 while DTensor computes an output's shape on stand-in tensors
         # A gradient sum not yet counted: (its storage, the older gradient's key, category), until the next event
-        # shows whether the older one was freed at once (summed in place) or not (:meth:`_sums_gradients`).
+        # shows whether the older one was freed at once (summed in place) or not (memfit.measure.gradient_sums).
         self._pending: tuple[torch.UntypedStorage, int, str] | None = None
-        # A storage -> the key of its allocator block, where that is not its id: a sum summed in place holds the
-        # older gradient's block, whose key (that storage's id) a new storage may then be given by Python.
-        self._block: dict[int, Hashable] = {}
-        self._borrowed: set[Hashable] = set()  # keys of blocks a storage of another id holds
-        self._fresh_keys = itertools.count()
+        self._keys = BlockKeys()  # the allocator's key of each storage's block
         self.observer: Callable[[Any, Any, Any, Any], None] | None = None  # sees every counted operator
         self.allocator: CachingAllocatorModel | None = None  # replays every allocation and free
         # The streams the allocator is told of: torch.cpu's default one is 0, the others 1, 2, ... as first used.
@@ -105,8 +99,8 @@ class LiveStorages(TorchDispatchMode):
                 self.total += n - entry[1]
                 entry[1] = n
                 if self.allocator is not None:  # another block (FSDP2 resizes between 0 and full size)
-                    self._free_block(key)
-                    self._malloc(key, n, self.stream())
+                    self._keys.free(self.allocator, key)
+                    self._keys.malloc(self.allocator, key, n, self.stream())
                 if self.timeline is not None:
                     self.timeline.free(key)
                     self.timeline.alloc(key, n, False, self.stream())
@@ -121,7 +115,7 @@ class LiveStorages(TorchDispatchMode):
             return
         stream = self.input_stream if category == "inputs" and self.input_stream is not None else self.stream()
         if self.allocator is not None:
-            self._malloc(key, n, stream)
+            self._keys.malloc(self.allocator, key, n, stream)
         if self.timeline is not None:
             self.timeline.alloc(key, n, retroactive, stream)
         self.current[category] += n
@@ -201,26 +195,12 @@ class LiveStorages(TorchDispatchMode):
             self.peak_breakdown[old] -= moved
             self.peak -= moved
         if self.allocator is not None:
-            self._free_block(key)
+            self._keys.free(self.allocator, key)
         if self.timeline is not None:
             self.timeline.free(key)
         entry[2] = HOST
         self.host += n
         self.host_peak = max(self.host_peak, self.host)
-
-    def _sums_gradients(self, func: Any, args: tuple, kwargs: dict | None, out: Any) -> bool:
-        """``old + new`` as autograd's InputBuffer sums two gradients of one tensor in a backward (grad mode off):
-        on real tensors it adds ``new`` into ``old`` in place where ``old`` is a dense tensor, no view, whose
-        storage it holds alone (``can_accumulate_inplace``, torch/csrc/autograd/input_buffer.cpp); fake tensors
-        are summed out of place. Whether it held ``old`` alone shows next: ``old``'s storage is freed at once."""
-        if func is not _ADD or kwargs or len(args) != 2 or torch.is_grad_enabled() or \
-                torch._C._current_graph_task_id() == -1:
-            return False
-        old, new = args
-        return (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and isinstance(out, torch.Tensor)
-                and old.shape == new.shape == out.shape and old.dtype == out.dtype and old.layout is torch.strided
-                and not old._is_view() and _dense(old) and id(old.untyped_storage()) in self.live
-                and old.untyped_storage().nbytes() == out.untyped_storage().nbytes())
 
     def _count_sum(self, in_place_of: list | None = None) -> None:
         """Count the pending gradient sum: a new storage, or (``in_place_of``: the older gradient's entry, just
@@ -235,22 +215,9 @@ class LiveStorages(TorchDispatchMode):
         self.live[key] = [weakref.ref(st, lambda r, key=key: self._free(key, r)), n, category, in_place_of[3]]
         self.current[category] += n
         self.total += n
-        block = self._block[key] = self._block.pop(old_key, old_key)
-        self._borrowed.add(block)
+        self._keys.take_over(key, old_key)
         if self.timeline is not None:
             self.timeline.rename(old_key, key)
-
-    def _malloc(self, key: int, nbytes: int, stream: Hashable) -> None:
-        """A block for storage ``key``, under its id unless a summed gradient's block holds that key still."""
-        if key in self._borrowed:
-            self._block[key] = ("storage", next(self._fresh_keys))
-        self.allocator.malloc(self._block.get(key, key), nbytes, stream)
-
-    def _free_block(self, key: int) -> None:
-        """Free storage ``key``'s allocator block (its own, or the one it took over in place)."""
-        block = self._block.pop(key, key)
-        self._borrowed.discard(block)
-        self.allocator.free(block)
 
     def _free(self, key: int, ref: weakref.ref) -> None:
         """A storage died: freed, unless it is the older gradient a pending sum was added into (then the sum takes
@@ -277,7 +244,7 @@ class LiveStorages(TorchDispatchMode):
             del self.live[key]
             self._unshard(key, entry[1])
             if self.allocator is not None and not keep_block:
-                self._free_block(key)
+                self._keys.free(self.allocator, key)
             if self.timeline is not None and not keep_block:
                 self.timeline.free(key)
             self.current[entry[2]] -= entry[1]
@@ -396,7 +363,7 @@ class LiveStorages(TorchDispatchMode):
         if own:
             if comm:
                 self._communication(storages(out))
-            elif self._sums_gradients(func, args, kwargs, out):
+            elif sums_gradients(func, args, kwargs, out, self.live):
                 self._pending = (out.untyped_storage(), id(args[0].untyped_storage()), self.new_category)
             else:
                 for st in storages(out):
