@@ -48,8 +48,9 @@ def trace_step(case: dict) -> list[tuple[str, int]]:
 def replayed_step(trace: list[tuple[Any, int | None]], origins: list[int] | None = None,
                   labels: dict[int, str] | None = None) -> list[tuple[str, int]]:
     """A simulated allocator's second step (its calls from the first ``('again', ...)`` key on), as
-    :func:`trace_step`. With ``origins`` (the first step's call each replayed one repeats, :func:`origins`) and
-    ``labels`` (call index -> the operator that made it), each call comes with its operator as a third item."""
+    :func:`trace_step`. With ``origins`` (the first step's call each replayed one repeats:
+    :meth:`CachingAllocatorModel.replayed`) and ``labels`` (call index -> the operator that made it), each call comes
+    with its operator as a third item."""
     first = next(i for i, (key, _) in enumerate(trace) if isinstance(key, tuple) and key[:1] == ("again",))
     live: dict[Any, int] = {}
     out: list = []
@@ -61,15 +62,6 @@ def replayed_step(trace: list[tuple[Any, int | None]], origins: list[int] | None
         elif key in live:
             out.append(("-", live.pop(key)) if label is None else ("-", live.pop(key), label))
     return out
-
-
-def origins(trace: list[tuple[Any, int | None]], start: int, kept: set) -> list[int]:
-    """The first step's call (an index of ``trace``) that each of :meth:`CachingAllocatorModel.replay`'s calls
-    repeats: the step from ``start`` on, less the last allocation of each block it kept (``kept``)."""
-    first = next(i for i, (key, _) in enumerate(trace) if isinstance(key, tuple) and key[:1] == ("again",))
-    events = trace[start:first]
-    last = {key: i for i, (key, n) in enumerate(events) if n is not None and key in kept}
-    return [start + i for i, (key, _) in enumerate(events) if last.get(key) != i]
 
 
 def workspaces(real: list[tuple[str, int]], fake: list[tuple], over: int = MiB) -> dict[str, list[int]]:
@@ -146,7 +138,8 @@ def _label(func: Any, args: tuple) -> str:
 def fake_step_calls(name: str, ops: bool = False) -> tuple[list[tuple[Any, int | None]], list[int] | None,
                                                            dict[int, str] | None]:
     """The simulated allocator's calls of case ``name``'s fake step for an H100 (one step, then its replay); with
-    ``ops``, also :func:`origins` and each first-step call's operator (call index -> name and input shapes)."""
+    ``ops``, also the first step's calls the replay repeats (:meth:`CachingAllocatorModel.replayed`) and each
+    first-step call's operator (call index -> name and input shapes)."""
     from unittest import mock
 
     import memfit.planner.fake as fake
@@ -155,6 +148,7 @@ def fake_step_calls(name: str, ops: bool = False) -> tuple[list[tuple[Any, int |
 
     made: list[CachingAllocatorModel] = []
     starts: list[int] = []
+    replayed: list[int] = []
     labels: dict[int, str] = {}
 
     class Kept(CachingAllocatorModel):
@@ -164,6 +158,7 @@ def fake_step_calls(name: str, ops: bool = False) -> tuple[list[tuple[Any, int |
 
         def replay(self, start: int) -> None:
             starts.append(start)
+            replayed.extend(self.replayed(start))
             super().replay(start)
 
     dispatch = LiveStorages.__torch_dispatch__
@@ -183,7 +178,7 @@ def fake_step_calls(name: str, ops: bool = False) -> tuple[list[tuple[Any, int |
     trace = made[0].trace
     if not ops:
         return trace, None, None
-    return trace, origins(trace, starts[0], set(made[0].held_since(0))), labels
+    return trace, replayed, labels
 
 
 def _mib(calls: list[tuple[str, int]]) -> str:

@@ -280,13 +280,17 @@ class CachingAllocatorModel:
         same order, on the segments the first left behind, except that what the first step allocated and
         kept (the optimizer state it created) is not allocated again. Fragmentation grows over the first
         steps, and max_memory_reserved with it: DINO Swin-L reserves 2 GiB more in its second step."""
-        events = self.trace[start:]
-        kept = {key for key, _ in events if key in self._used}
-        last = {key: i for i, (key, n) in enumerate(events) if n is not None and key in kept}
-        for i, (key, nbytes) in enumerate(events):
-            if last.get(key) == i:
-                continue
+        for i in self.replayed(start):
+            key, nbytes = self.trace[i]
             if nbytes is None:
                 self.free(("again", key))
             else:
-                self.malloc(("again", key), nbytes, self._trace_streams.get(start + i, 0))
+                self.malloc(("again", key), nbytes, self._trace_streams.get(i, 0))
+
+    def replayed(self, start: int) -> list[int]:
+        """The calls (indices of ``trace``) that :meth:`replay` from ``start`` would make again, in order: all but
+        the last allocation of each block the step kept."""
+        events = self.trace[start:]
+        kept = {key for key, _ in events if key in self._used}
+        last = {key: i for i, (key, n) in enumerate(events) if n is not None and key in kept}
+        return [start + i for i, (key, _) in enumerate(events) if last.get(key) != i]

@@ -29,11 +29,17 @@ def test_a_workspace_only_the_trace_has_is_put_after_the_fake_steps_operator(ben
     """``--ops``: the replayed calls carry the operator that made the first step's call they repeat (the block the
     step kept, its optimizer state, is not allocated again), and a block the trace allocates and frees at once where
     the fake step has nothing is listed after the operator before it."""
+    from memfit.measure import CachingAllocatorModel
+
     tr = bench_script("trace_requests")
-    trace = [("state", 3 * MiB), ("x", 4 * MiB), ("y", 2 * MiB), ("x", None), ("y", None),
-             (("again", "x"), 4 * MiB), (("again", "y"), 2 * MiB), (("again", "x"), None), (("again", "y"), None)]
-    where = tr.origins(trace, 0, kept={"state"})
+    allocator = CachingAllocatorModel()
+    allocator.run([("state", 3 * MiB, 0), ("x", 4 * MiB, 0), ("y", 2 * MiB, 0), ("x", None, 0), ("y", None, 0)])
+    where = allocator.replayed(0)
     assert where == [1, 2, 3, 4]
+    allocator.replay(0)
+    trace = allocator.trace
+    assert trace[5:] == [(("again", "x"), 4 * MiB), (("again", "y"), 2 * MiB), (("again", "x"), None),
+                         (("again", "y"), None)]
     labels = {0: "adam", 1: "conv", 2: "relu", 3: "relu", 4: "sum"}
     fake = tr.replayed_step(trace, where, labels)
     assert fake == [("+", 4 * MiB, "conv"), ("+", 2 * MiB, "relu"), ("-", 4 * MiB, "relu"), ("-", 2 * MiB, "sum")]
