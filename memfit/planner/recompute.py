@@ -29,7 +29,7 @@ from typing import Any
 
 from memfit.measure import CachingAllocatorModel
 from memfit.planner.step_calls import bucket_calls
-from memfit.planner.sync_points import SyncProfile
+from memfit.planner.sync_points import SyncProfile, later_profile
 from memfit.planner.timeline import ALLOC, FREE, OP, SCRATCH, Timeline
 
 
@@ -279,8 +279,7 @@ def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int
                     allocator.free(("step", key))
     sync = None
     if kinds:  # a later micro-step holds the whole gradients from its start; its own are added into them
-        later = SyncProfile(tuple(kinds), start + grads, tuple(a + grads for a in at_ng),
-                            tuple(p + grads for p in peaks_ng))
+        later = later_profile(kinds, start, at_ng, peaks_ng, grads)
         sync = SyncProfile(tuple(kinds), start, tuple(at), tuple(peaks), later=later)
     if allocator is None:
         return Composed(peak, flops, ops, written, peak_without_grads=peak_ng, sync=sync)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -87,6 +87,14 @@ class SyncProfile:
             if hi < len(self.kinds):
                 lo, start = hi + 1, self.at[hi]
         return out
+
+
+def later_profile(kinds: Sequence[int], start: int, at: Sequence[int], peaks: Sequence[int],
+                  grads: int) -> SyncProfile:
+    """A forward/backward as a later micro-step of gradient accumulation holds it on one device, from its totals
+    without the gradients it made (``start``, ``at``, ``peaks``) and their bytes when it ended (``grads``): the
+    whole gradients held from its start, its own added into them."""
+    return SyncProfile(tuple(kinds), start + grads, tuple(a + grads for a in at), tuple(p + grads for p in peaks))
 
 
 def install_hooks(model: nn.Module, regions: dict[str, nn.Module], point: Callable[[int], None]) -> list[Any]:
@@ -295,9 +303,7 @@ class SyncRecorder:
         it makes them), as a composition's (:mod:`memfit.planner.recompute`)."""
         later = None
         if STEP not in self.kinds:
-            g = self._grads
-            later = SyncProfile(tuple(self.kinds), self._start_ng + g, tuple(a + g for a in self._at_ng),
-                                tuple(p + g for p in self._peaks_ng))
+            later = later_profile(self.kinds, self._start_ng, self._at_ng, self._peaks_ng, self._grads)
         return SyncProfile(tuple(self.kinds), self.start, tuple(self.at), tuple(self.peaks), tuple(self.late), later)
 
 
