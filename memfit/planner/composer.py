@@ -13,9 +13,10 @@ from memfit.planner.recompute import CachedTensorMutated, compose
 from memfit.planner.results import PlanResult, inputs_at, larger_of, plan_result
 from memfit.planner.row_allocator import RowAllocator, activations_key, precision_kind
 from memfit.planner.runs import Runs, StepFailed
+from memfit.planner.sharded_peak import sharded_peak
 from memfit.planner.sharded_replay import ShardedRows
 from memfit.planner.space import Plan, checkpointed_modules
-from memfit.planner.sync_points import SYNC_ONLY, sharded_peak
+from memfit.planner.sync_points import SYNC_ONLY
 from memfit.planner.timeline_scale import scaled_recording
 
 _COMPOSED = ("none", "stages", "blocks", "every2", "selective")  # checkpointing choices composed (and firstN)
@@ -185,7 +186,7 @@ class Composer(RowAllocator):
     def _sharded_peak(self, plan: Plan, ref: Plan, shard: StepMeasurement, mb: int) -> int | None:
         """The peak of ``plan``'s forward/backward under its sharding (``shard``: the sharding's step of the
         reference activations at micro-batch ``mb``), from the sharding's bytes at each sync point of the step
-        (:func:`~memfit.planner.sync_points.sharded_peak`): of each micro-step where the step accumulates (the first
+        (:func:`~memfit.planner.sharded_peak.sharded_peak`): of each micro-step where the step accumulates (the first
         keeps its unsharded gradients; the last holds them from its start and reduce-scatters them), else of its one
         forward/backward; None where a step has no sync points."""
         if shard.sync is None:

@@ -114,7 +114,7 @@ def compose(tl: Timeline, regions: Iterable[str], selective: bool = False,
     for i, sizes in ix.scratch:
         _scratch(items, (i, 0), 0, ("scratch", i), sizes)
     items += [(i, 1, 0, None, uid, 0, False) for i, uid in ix.grads]  # is_alloc None: it became a gradient
-    items += [(i, 0, 0, "sync", kind, 0, False) for i, kind in ix.sync]
+    items += [(i, 0, 0, "sync", (kind, ident), 0, False) for i, kind, ident in ix.sync]
     return replace(_replay(tl, items, flops, ops, written, epilogue, micro_steps, events, before),
                    recompute_ops=recompute_ops)
 
@@ -216,6 +216,7 @@ def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int
     first = len(allocator.trace) if allocator is not None else 0
     sizes: dict[Any, int] = {}
     kinds: list[int] = []
+    ids: list[Any] = []
     # The sync points' figures (SyncProfile), and without the gradients (those of a later micro-step)
     start, at, peaks, at_ng, peaks_ng = tl.start, [], [tl.start], [], [tl.start]
     # The calls after the backward returned (the train step letting go of its batch and losses) come after the
@@ -229,13 +230,14 @@ def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int
             marked = True
         if events is not None and not retro:
             if is_alloc == "sync":
-                events.append((None, key, 0))
+                events.append((None, key[0], 0))
             elif is_alloc is None:
                 events.append((key, -1, 0))
             else:
                 events.append((key, n, tl.streams.get(key, 0)) if is_alloc else (key, None, 0))
         if is_alloc == "sync":
-            kinds.append(key)
+            kinds.append(key[0])
+            ids.append(key[1])
             at.append(total)
             peaks.append(total)
             at_ng.append(total - grads)
@@ -279,8 +281,8 @@ def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int
                     allocator.free(("step", key))
     sync = None
     if kinds:  # a later micro-step holds the whole gradients from its start; its own are added into them
-        later = later_profile(kinds, start, at_ng, peaks_ng, grads)
-        sync = SyncProfile(tuple(kinds), start, tuple(at), tuple(peaks), later=later)
+        later = later_profile(kinds, start, at_ng, peaks_ng, grads, ids)
+        sync = SyncProfile(tuple(kinds), start, tuple(at), tuple(peaks), later=later, ids=tuple(ids))
     if allocator is None:
         return Composed(peak, flops, ops, written, peak_without_grads=peak_ng, sync=sync)
     requested = 0

@@ -11,9 +11,9 @@ every recording of one model: each call's forward begins and ends, and its backw
 are made) and ends (its inputs' are). A sharded full step records its tracked total at each point and its largest
 total between them, each micro-step's where it accumulates (:class:`SyncRecorder`); a single-device recording has
 the same points among its events (:mod:`memfit.planner.timeline`), which a composition turns into the same
-figures, also as a later micro-step would hold them (:mod:`memfit.planner.recompute`). :func:`sharded_peak` puts
-them together: a row's composed forward/backward plus, between each two points, what the sharded step held there
-beyond the single-device reference step.
+figures, also as a later micro-step would hold them (:mod:`memfit.planner.recompute`).
+:mod:`memfit.planner.sharded_peak` puts them together: a row's composed forward/backward plus, between each two
+points, what the sharded step held there beyond the single-device reference step.
 """
 
 from __future__ import annotations
@@ -62,7 +62,11 @@ class SyncProfile:
     and after the last (one more than the points); a recorded step's ``late``: for each of those stretches,
     whether its largest total came in the second half of its operators (a composition's: none); a composition's
     ``later``: the same forward/backward as a later micro-step of gradient accumulation on one device (the whole
-    gradients held from its start, its own added into them)."""
+    gradients held from its start, its own added into them); a recorded sharded step's ``own`` at each point and
+    ``own_peaks`` between them: the bytes the sharding's code made and holds less those of the model's it freed
+    (the gradients its reduce-scatters take), from where it began; ``ids``: each point's identity
+    (:func:`install_hooks`), by which two steps whose backward reaches parallel branches in other orders pair their
+    points."""
 
     kinds: tuple[int, ...]
     start: int
@@ -70,75 +74,89 @@ class SyncProfile:
     peaks: tuple[int, ...]
     late: tuple[bool, ...] = ()
     later: SyncProfile | None = None
+    ids: tuple[Any, ...] = ()
+    own: tuple[int, ...] = ()
+    own_peaks: tuple[int, ...] = ()
 
     def shifted(self, nbytes: int) -> SyncProfile:
         """The same with ``nbytes`` more held throughout."""
         return SyncProfile(self.kinds, self.start + nbytes, tuple(a + nbytes for a in self.at),
                            tuple(p + nbytes for p in self.peaks), self.late,
-                           self.later.shifted(nbytes) if self.later is not None else None)
+                           self.later.shifted(nbytes) if self.later is not None else None, self.ids, self.own,
+                           self.own_peaks)
 
     def micro_steps(self) -> list[SyncProfile]:
         """A recorded step's profile of each micro-step (split at its STEP points)."""
         cuts = [i for i, k in enumerate(self.kinds) if k == STEP]
-        out, lo, start = [], 0, self.start
+        out, lo, start, own = [], 0, self.start, 0
         for hi in (*cuts, len(self.kinds)):
             out.append(SyncProfile(self.kinds[lo:hi], start, self.at[lo:hi], self.peaks[lo:hi + 1],
-                                   self.late[lo:hi + 1]))
+                                   self.late[lo:hi + 1], ids=self.ids[lo:hi],
+                                   own=tuple(o - own for o in self.own[lo:hi]),
+                                   own_peaks=tuple(o - own for o in self.own_peaks[lo:hi + 1])))
             if hi < len(self.kinds):
-                lo, start = hi + 1, self.at[hi]
+                lo, start, own = hi + 1, self.at[hi], self.own[hi] if self.own else 0
         return out
 
 
-def later_profile(kinds: Sequence[int], start: int, at: Sequence[int], peaks: Sequence[int],
-                  grads: int) -> SyncProfile:
+def later_profile(kinds: Sequence[int], start: int, at: Sequence[int], peaks: Sequence[int], grads: int,
+                  ids: Sequence[Any] = ()) -> SyncProfile:
     """A forward/backward as a later micro-step of gradient accumulation holds it on one device, from its totals
     without the gradients it made (``start``, ``at``, ``peaks``) and their bytes when it ended (``grads``): the
     whole gradients held from its start, its own added into them."""
-    return SyncProfile(tuple(kinds), start + grads, tuple(a + grads for a in at), tuple(p + grads for p in peaks))
+    return SyncProfile(tuple(kinds), start + grads, tuple(a + grads for a in at), tuple(p + grads for p in peaks),
+                       ids=tuple(ids))
 
 
-def install_hooks(model: nn.Module, regions: dict[str, nn.Module], point: Callable[[int], None]) -> list[Any]:
-    """Hooks that call ``point(kind)`` at each point (see the module docstring) of ``regions`` and of ``model``'s
-    modules that hold parameters (a point every few operators: a sharding's hooks run around those, and what
-    they hold changes little between two points); their handles. They hold no tensor and change no autograd
-    graph (hooks on tensors that require grad)."""
+def install_hooks(model: nn.Module, regions: dict[str, nn.Module], point: Callable[[int, Any], None]) -> list[Any]:
+    """Hooks that call ``point(kind, ident)`` at each point (see the module docstring) of ``regions`` and of
+    ``model``'s modules that hold parameters (a point every few operators: a sharding's hooks run around those, and
+    what they hold changes little between two points); their handles. ``ident``: the point's identity in any
+    recording of the model, (kind, the module's place among those, its call since the hooks were installed, the
+    tensor's place among its call's inputs or outputs). They hold no tensor and change no autograd graph (hooks on
+    tensors that require grad)."""
+    calls: dict[int, int] = {}
 
-    def grads(kind: int, tensors: Any) -> None:
+    def grads(kind: int, tensors: Any, call: tuple[int, int]) -> None:
         # One hook per tensor, its points in one order: a module's output is often the next one's input, and a
         # sharding's hooks may put a tensor of their own between the two (FSDP2 does, before each unit's input).
-        for t in _tensors(tensors):
+        for j, t in enumerate(_tensors(tensors)):
             if t.requires_grad and t.grad_fn is not None:
                 kinds = getattr(t, "_memfit_sync_points", None)
                 if kinds is None:
                     kinds = t._memfit_sync_points = []
                     t.register_hook(partial(_points, point, kinds))
-                kinds.append(kind)
+                kinds.append((kind, *call, j))
 
     # A checkpointed call's forward runs again inside backward: not a point (a recording without checkpointing
     # has none there), and its outputs are not the ones backward goes through.
     def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
         if torch._C._current_graph_task_id() == -1:
-            point(ENTER)
-            grads(BACKWARD_END, (args, kwargs))
+            call = (places[id(module)], calls.get(id(module), 0))
+            calls[id(module)] = call[1] + 1
+            point(ENTER, (ENTER, *call, 0))
+            grads(BACKWARD_END, (args, kwargs), call)
 
     def post(module: nn.Module, args: Any, output: Any) -> None:
         if torch._C._current_graph_task_id() == -1:
-            point(EXIT)
-            grads(BACKWARD, output)
+            call = (places[id(module)], calls[id(module)] - 1)
+            point(EXIT, (EXIT, *call, 0))
+            grads(BACKWARD, output, call)
 
     handles = []
     ids = {id(m) for m in regions.values()}
     modules = [*regions.values(), *(m for m in model.modules() if id(m) not in ids and
                                      next(m.parameters(recurse=False), None) is not None)]
+    places = {id(m): i for i, m in enumerate(modules)}
     for module in modules:
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post))
     return handles
 
 
-def _points(point: Callable[[int], None], kinds: list[int], grad: Any) -> None:
-    for k in sorted(kinds, reverse=True):  # a later module's backward ends before an earlier one's begins
-        point(k)
+def _points(point: Callable[[int, Any], None], idents: list[tuple[int, ...]], grad: Any) -> None:
+    for ident in sorted(idents, key=lambda i: i[0], reverse=True):  # a later module's backward ends before an
+        point(ident[0], ident)  # earlier one's begins
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -160,6 +178,7 @@ class SyncRecorder:
         self.model, self.regions = model, regions
         self.mode: Any = None
         self.kinds: list[int] = []
+        self.ids: list[Any] = []
         self.start = 0
         self.at: list[int] = []
         self.peaks: list[int] = []
@@ -176,6 +195,12 @@ class SyncRecorder:
         self._points: list[int] = []
         self._own = bytearray()  # of each allocator call since the step began: whether the sharding made it
         self._codes: dict[Any, bool] = {}  # code object -> whether it is FSDP2's
+        # The sharding's own bytes (SyncProfile.own): the sizes of what the step made, which of them it made
+        self._sizes: dict[int, int] = {}
+        self._mine: set[int] = set()
+        self._own_bytes = 0
+        self.own: list[int] = []
+        self.own_peaks: list[int] = [0]
         self.trace: ShardTrace | None = None
 
     def _tag(self) -> None:
@@ -184,17 +209,20 @@ class SyncRecorder:
         if allocator is None or not self._open:
             return
         n = len(allocator.trace) - self._first - len(self._own)
-        if n <= 0:
-            return
-        own, f, codes = False, sys._getframe(1), self._codes
+        if n > 0:
+            self._own.extend((self._sharding(),) * n)
+
+    def _sharding(self) -> bool:
+        """Whether a frame of FSDP2's is running."""
+        own, f, codes = False, sys._getframe(2), self._codes
         while f is not None and not own:
             code = f.f_code
             if code not in codes:
                 codes[code] = _FSDP_DIR in code.co_filename
             own, f = codes[code], f.f_back
-        self._own.extend((own,) * n)
+        return own
 
-    def point(self, kind: int) -> None:
+    def point(self, kind: int, ident: Any = None) -> None:
         if self._open:
             self._tag()
             if self.mode.allocator is not None:
@@ -203,11 +231,14 @@ class SyncRecorder:
             self._seen(total)
             self.late.append(2 * self._peak_op > self._ops)
             self.kinds.append(kind)
+            self.ids.append((kind,) if ident is None else ident)
             self.at.append(total)
             self.peaks.append(total)
             without = total - self.mode.current["gradients"]
             self._at_ng.append(without)
             self._peaks_ng.append(without)
+            self.own.append(self._own_bytes)
+            self.own_peaks.append(self._own_bytes)
             self._ops = self._peak_op = 0
 
     def _seen(self, total: int) -> None:
@@ -230,15 +261,30 @@ class SyncRecorder:
             self._start_ng += nbytes
             self._at_ng = [a + nbytes for a in self._at_ng]
             self._peaks_ng = [p + nbytes for p in self._peaks_ng]
+        elif self._open:
+            self._sizes[key] = nbytes
+            if self._sharding():
+                self._mine.add(key)
+                self._own_bytes += nbytes
+                if self._own_bytes > self.own_peaks[-1]:
+                    self.own_peaks[-1] = self._own_bytes
 
     def free(self, key: int) -> None:
         self._tag()
+        nbytes = self._sizes.pop(key, None)
+        if nbytes is not None and (key in self._mine or self._sharding()):  # its own, or a gradient it took
+            self._mine.discard(key)
+            self._own_bytes -= nbytes
 
     def gradient(self, key: int) -> None:
         pass
 
     def rename(self, old: int, new: int) -> None:
-        pass
+        if old in self._sizes:
+            self._sizes[new] = self._sizes.pop(old)
+        if old in self._mine:
+            self._mine.discard(old)
+            self._mine.add(new)
 
     def scratch(self, sizes: tuple[int, ...]) -> None:
         self._tag()
@@ -303,30 +349,6 @@ class SyncRecorder:
         it makes them), as a composition's (:mod:`memfit.planner.recompute`)."""
         later = None
         if STEP not in self.kinds:
-            later = later_profile(self.kinds, self._start_ng, self._at_ng, self._peaks_ng, self._grads)
-        return SyncProfile(tuple(self.kinds), self.start, tuple(self.at), tuple(self.peaks), tuple(self.late), later)
-
-
-def sharded_peak(shard: SyncProfile | None, ref: SyncProfile | None, row: SyncProfile | None) -> int | None:
-    """The peak of a row's forward/backward under a sharding, in ``shard``'s terms, or None where the three do
-    not have the same points. ``row``: the row's composed single-device forward/backward; ``shard``: the
-    sharding's step of the reference activations; ``ref``: those activations on a single device.
-
-    Between two points the row holds its own peak plus what ``shard`` held beyond ``ref`` at either end (the
-    sharding's hooks run at the points: which end, is not known). Where the sharding's step rises higher than
-    that, its own buffers peaked in the stretch (an all-gather's, a reduce-scatter's): at its peak, the
-    activations are as they were at the end of the stretch nearer to it in the sharding's operators (its hooks
-    run there), so the row holds its own bytes there plus the sharding's step's peak less the reference's."""
-    if shard is None or ref is None or row is None or not (shard.kinds == ref.kinds == row.kinds) or \
-            len(shard.late) != len(shard.peaks):
-        return None
-    s_ends, r_ends, w_ends = (shard.start, *shard.at), (ref.start, *ref.at), (row.start, *row.at)
-    peak = 0
-    for j, (s_peak, r_peak, w_peak) in enumerate(zip(shard.peaks, ref.peaks, row.peaks)):
-        ends = (j, min(j + 1, len(s_ends) - 1))
-        extra = max(s_ends[e] - r_ends[e] for e in ends)
-        peak = max(peak, w_peak + extra)
-        if s_peak > r_peak + extra:
-            e = ends[shard.late[j]]
-            peak = max(peak, w_ends[e] + s_peak - r_ends[e])
-    return peak
+            later = later_profile(self.kinds, self._start_ng, self._at_ng, self._peaks_ng, self._grads, self.ids)
+        return SyncProfile(tuple(self.kinds), self.start, tuple(self.at), tuple(self.peaks), tuple(self.late), later,
+                           tuple(self.ids), tuple(self.own), tuple(self.own_peaks))

@@ -43,7 +43,7 @@ SCRATCH = 9
 # where checkpointing frees a recomputed tensor, before autograd sums a broadcast gradient and releases the rest)
 DROP = 10
 GRAD = 11  # (GRAD, uid): the storage became a parameter's gradient
-SYNC = 12  # (SYNC, kind): a point where a sharded step's buffers change (memfit.planner.sync_points)
+SYNC = 12  # (SYNC, kind, ident): a point where a sharded step's buffers change (memfit.planner.sync_points)
 
 
 class _Saved:
@@ -243,7 +243,8 @@ class Recorder:
             self._handles.append(module.register_forward_pre_hook(partial(self._enter, name), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._exit, always_call=True))
         if self.model is not None:
-            self._handles += install_hooks(self.model, self.regions, lambda kind: self.events.append((SYNC, kind)))
+            self._handles += install_hooks(self.model, self.regions,
+                                           lambda kind, ident: self.events.append((SYNC, kind, ident)))
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
@@ -274,7 +275,7 @@ class _Index:
         self.allocs: list[tuple[int, int, int, bool]] = []  # (index, uid, nbytes, retroactive)
         self.scratch: list[tuple[int, tuple[int, ...]]] = []  # (index, sizes)
         self.grads: list[tuple[int, int]] = []  # (index, uid) where a storage became a gradient
-        self.sync: list[tuple[int, int]] = []  # (index, kind) of the sync points
+        self.sync: list[tuple[int, int, Any]] = []  # (index, kind, identity) of the sync points
         self.alloc_at: dict[int, int] = {}
         self.cached: set[int] = set()  # uids made by an operator selective checkpointing keeps
         self.writes: dict[int, list[int]] = {}  # uid -> indices of in-place writes to it
@@ -315,7 +316,7 @@ class _Index:
             elif kind == GRAD:
                 self.grads.append((i, ev[1]))
             elif kind == SYNC:
-                self.sync.append((i, ev[1]))
+                self.sync.append((i, ev[1], ev[2]))
             elif kind == ENTER:
                 self.enter[ev[1]] = (i, ev[2])
             elif kind == EXIT:
