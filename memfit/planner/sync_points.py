@@ -203,14 +203,15 @@ class SyncRecorder:
         self.own_peaks: list[int] = [0]
         self.trace: ShardTrace | None = None
 
-    def _tag(self) -> None:
-        """Tags the allocator calls made since the last tag: the sharding's where a frame of FSDP2's is running."""
+    def _tag(self, own: bool | None = None) -> None:
+        """Tags the allocator calls made since the last tag: the sharding's where a frame of FSDP2's is running
+        (``own``, where the caller knows)."""
         allocator = self.mode.allocator if self.mode is not None else None
         if allocator is None or not self._open:
             return
         n = len(allocator.trace) - self._first - len(self._own)
         if n > 0:
-            self._own.extend((self._sharding(),) * n)
+            self._own.extend((self._sharding() if own is None else own,) * n)
 
     def _sharding(self) -> bool:
         """Whether a frame of FSDP2's is running."""
@@ -253,7 +254,8 @@ class SyncRecorder:
 
     # -- the live storages' calls ---------------------------------------------------------------------------
     def alloc(self, key: int, nbytes: int, retroactive: bool, stream: Any = 0) -> None:
-        self._tag()
+        own = self._open and self._sharding()
+        self._tag(own)
         if self._open and retroactive:  # alive since before the step: at every point so far too
             self.start += nbytes
             self.at = [a + nbytes for a in self.at]
@@ -263,16 +265,17 @@ class SyncRecorder:
             self._peaks_ng = [p + nbytes for p in self._peaks_ng]
         elif self._open:
             self._sizes[key] = nbytes
-            if self._sharding():
+            if own:
                 self._mine.add(key)
                 self._own_bytes += nbytes
                 if self._own_bytes > self.own_peaks[-1]:
                     self.own_peaks[-1] = self._own_bytes
 
     def free(self, key: int) -> None:
-        self._tag()
+        own = self._open and self._sharding()
+        self._tag(own)
         nbytes = self._sizes.pop(key, None)
-        if nbytes is not None and (key in self._mine or self._sharding()):  # its own, or a gradient it took
+        if nbytes is not None and (key in self._mine or own):  # its own, or a gradient it took
             self._mine.discard(key)
             self._own_bytes -= nbytes
 
