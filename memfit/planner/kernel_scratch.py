@@ -1,19 +1,20 @@
-"""Scratch memory CUDA kernels take from the caching allocator while they run, which a fake CPU step does
-not: the planner adds it to a CUDA target's step (:class:`memfit.measure.live_storages.LiveStorages`'s
-``scratch``), allocated after the operator's outputs and freed when the operator returns.
+"""Scratch memory CUDA kernels take from the caching allocator while they run, which a fake CPU step does not: the
+planner adds it to a CUDA target's step (:class:`memfit.measure.live_storages.LiveStorages`'s ``scratch``),
+allocated after the operator's outputs and freed when the operator returns.
 
-Four operators so far: ``torch.roll`` over several dims (:func:`roll_scratch`), softmax's backward
-(:func:`softmax_backward_scratch`), fused attention's backward (:func:`attention_backward_scratch`), and the
-largest family in vision training, ATen's sums and means (``aten/src/ATen/native/cuda/Reduce.cuh``). When a
-reduction's few outputs each sum many inputs (a bias gradient: a linear layer's output gradient summed over batch
-and tokens), the kernel splits every output's inputs over several thread blocks and stages their partial sums in
-a global buffer of fp32 values (``ReduceConfig::global_memory_size``) plus a semaphore per output block. ViT-S/16
-at batch 32: 74 MiB for each MLP's first bias gradient, freed at once but counted in ``max_memory_allocated``.
+Operators so far: ``torch.roll`` over several dims (:func:`roll_scratch`), softmax's backward
+(:func:`softmax_backward_scratch`), fused attention's backward (:func:`attention_backward_scratch`), layer and group
+norms forward and backward (:func:`norm_scratch`), and the largest family in vision training, ATen's sums and means
+(``aten/src/ATen/native/cuda/Reduce.cuh``). When a reduction's few outputs each sum many inputs (a bias gradient: a
+linear layer's output gradient summed over batch and tokens), the kernel splits every output's inputs over several
+thread blocks and stages their partial sums in a global buffer of fp32 values (``ReduceConfig::global_memory_size``)
+plus a semaphore per output block. ViT-S/16 at batch 32: 74 MiB for each MLP's first bias gradient, freed at once
+but counted in ``max_memory_allocated``.
 
-Our own port because torch exposes no way to ask a CUDA kernel's launch configuration without a GPU: the
-arithmetic of ``setReduceConfig`` and of TensorIterator's dimension order, for the target's SMs and threads per
-SM (:attr:`memfit.planner.devices.Device.sms`), which cap the split where the batch is large (ViT-L at batch 64:
-66 blocks per output on an H100, 31 on an RTX 3090). Checked against the buffers in the H100 allocator traces
+Our own port because torch exposes no way to ask a CUDA kernel's launch configuration without a GPU: the arithmetic
+of ``setReduceConfig`` and of TensorIterator's dimension order, for the target's SMs and threads per SM
+(:attr:`memfit.planner.devices.Device.sms`), which cap the split where the batch is large (ViT-L at batch 64: 66
+blocks per output on an H100, 31 on an RTX 3090). Checked against the buffers in the H100 allocator traces
 (tests/planner/test_cuda_traces.py); other GPUs follow the same code with their own counts.
 """
 
@@ -41,6 +42,8 @@ _SOFTMAX_BACKWARD = _aten._softmax_backward_data.default
 _SDPA_BACKWARD = getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 _SDPA_BACKWARD = _SDPA_BACKWARD.default if _SDPA_BACKWARD is not None else None
 _KEY_BLOCK = 64  # the memory-efficient backward's keys per block (kBlockSizeJ): more keys, and dQ accumulates
+_NORMS = frozenset({_aten.native_layer_norm.default, _aten.native_layer_norm_backward.default,
+                    _aten.native_group_norm.default, _aten.native_group_norm_backward.default})
 
 
 def roll_scratch(args: tuple, kwargs: dict | None) -> tuple[int, ...]:
@@ -83,6 +86,35 @@ def attention_backward_scratch(args: tuple, kwargs: dict | None) -> tuple[int, .
     return (batch * heads * queries * (dim + 1) * 4 + 256,)
 
 
+def norm_scratch(func: Any, args: tuple, sms: tuple[int, int] = H100_SMS) -> tuple[int, ...]:
+    """Layer and group norms on CUDA take contiguous copies of their tensor arguments (``expect_contiguous``,
+    ``.contiguous()``: a Swin stage's layer norm over a permuted patch embedding, DINO's neck's group norms whose
+    output gradient is a transposed view: blocks of the input's size in the H100 trace, 98.4 and 131.2 MiB). A layer
+    norm's backward over many rows of few features (more than 65,536 rows, fewer than half the SMs' warps of
+    features) sums the weight's and bias's gradients in two passes: per-block partial sums of
+    ``min(32768 / ceil(N / 32), ceil(M / 32)) x N`` values each, then ``.sum(0)`` over them, a reduction with its
+    own staging buffer (``LaunchGammaBetaBackwardCUDAKernel`` in layer_norm_kernel.cu; DINO's encoder at two
+    1333x800 images: 4 + 4 MiB of partial sums and an 8 MiB staging buffer in each of its 26 layer norms'
+    backward)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    sizes = [t.numel() * t.element_size() for t in tensors if t.numel() and not t.is_contiguous()]
+    if func is not _aten.native_layer_norm_backward.default:
+        return tuple(sizes)
+    x, shape, mask = args[1], args[2], args[7] if len(args) > 7 else (True, True, True)
+    n = 1
+    for d in shape:
+        n *= d
+    m = x.numel() // max(n, 1)
+    params = [p for p, wanted in zip(args[5:7], mask[1:]) if isinstance(p, torch.Tensor) and wanted]
+    if not params or m <= 64 * 1024 or n // _WARP >= sms[0] // 2:
+        return tuple(sizes)
+    rows = min(32768 // -(-n // _WARP), -(-m // _WARP))
+    itemsize = params[0].element_size()
+    sizes += [rows * n * itemsize] * len(params)
+    sizes += reduce_scratch((rows, n), (n, 1), 0, itemsize, (0,), 8 if params[0].dtype == torch.float64 else 4, sms)
+    return tuple(sizes)
+
+
 def cuda_scratch(func: Any, args: tuple, kwargs: dict | None, out: Any, sms: tuple[int, int] = H100_SMS
                  ) -> tuple[int, ...]:
     """Bytes of the scratch blocks ``func`` takes for these arguments on a CUDA device of ``sms`` (SMs, threads
@@ -93,6 +125,8 @@ def cuda_scratch(func: Any, args: tuple, kwargs: dict | None, out: Any, sms: tup
         return softmax_backward_scratch(args, kwargs)
     if func is _SDPA_BACKWARD:
         return attention_backward_scratch(args, kwargs)
+    if func in _NORMS:
+        return norm_scratch(func, args, sms)
     if func in _OVER_DIMS:
         x = args[0]
         dim = args[1] if len(args) > 1 else (kwargs or {}).get("dim")

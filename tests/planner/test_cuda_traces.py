@@ -150,6 +150,38 @@ def test_a_roll_over_two_dims_leaves_a_copy_of_its_input_until_it_returns():
     assert _scratch_sizes("swin_t")[x.nbytes] >= 2
 
 
+def test_norms_copy_what_is_not_contiguous_and_sum_many_rows_parameter_gradients_in_two_passes():
+    """DINO Swin-L's H100 trace (tests/fixtures/allocator, row 5, fp32): each of its encoder's layer norms' backward
+    (2 x 89,523 rows of 256 features) takes 4 MiB of partial sums for the weight and for the bias, then an 8 MiB
+    staging buffer (and 8 bytes) for each one's ``.sum(0)``; the first Swin stage's (2 x 67,200 rows of 192) 3,225,600
+    bytes each and 6,488,064; its neck's group norms' backward copy their transposed output gradient (131.25 MiB at
+    the largest); its first layer norm copies the permuted patch embedding (98.44 MiB). Few rows: none."""
+    ln, gn = torch.ops.aten.native_layer_norm_backward.default, torch.ops.aten.native_group_norm_backward.default
+
+    def ln_backward(rows: int, features: int, grad: torch.Tensor | None = None) -> tuple[int, ...]:
+        x, w = torch.empty(2, rows, features, device="meta"), torch.empty(features, device="meta")
+        stat = torch.empty(2, rows, 1, device="meta")
+        return cuda_scratch(ln, (x if grad is None else grad, x, [features], stat, stat, w, w, [True, True, True]),
+                            {}, None)
+
+    assert ln_backward(89_523, 256) == (4 * MiB, 4 * MiB, 8_388_608, 8)
+    assert ln_backward(67_200, 192) == (3_225_600, 3_225_600, 6_488_064, 8)
+    assert ln_backward(16_000, 256) == ()  # 32,000 rows: one pass
+    assert ln_backward(89_523, 8192) == ()  # features for more than half the SMs' warps: one pass
+    transposed = torch.empty(2, 256, 89_523, device="meta").transpose(1, 2)
+    assert ln_backward(89_523, 256, transposed)[0] == transposed.nbytes
+    x = torch.empty(2, 256, 200, 336, device="meta")
+    grad = torch.empty(2, 200 * 336, 256, device="meta").transpose(1, 2).unflatten(2, (200, 336))
+    stat = torch.empty(2, 32, device="meta")
+    args = (grad, x, stat, stat, torch.empty(256, device="meta"), 2, 256, 200 * 336, 32, [True, True, True])
+    assert cuda_scratch(gn, args, {}, None) == (137_625_600,)
+    assert cuda_scratch(gn, (x, *args[1:]), {}, None) == ()
+    permuted = torch.empty(2, 192, 200, 336, device="meta").permute(0, 2, 3, 1)
+    layer_norm = torch.ops.aten.native_layer_norm.default
+    w = torch.empty(192, device="meta")
+    assert cuda_scratch(layer_norm, (permuted, [192], w, w, 1e-5), {}, None) == (103_219_200,)
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_as_is_peaks_match_the_traces(name):
     case = _case(name)
