@@ -13,7 +13,8 @@
 #              each allocation of 1 MiB or more keeps its Python frames (which operator made a block);
 #   later:     the cases LATER (default none; e.g. 12,13 for DINO's rows 1 and 2);
 #   then whatever CHECKS adds: "deform" (benchmarks/deform_check.py), "temporaries" (benchmarks/cuda_temporaries.py),
-#   "allocator" (the installed allocator's replay test).
+#   "convs" (benchmarks/conv_workspaces.py: cuDNN's workspaces per convolution shape), "allocator" (the installed
+#   allocator's replay test).
 # DINO's cases need pycocotools and timm >= 1.0.31 (dynamic image sizes); where the GPU machine lacks them, put
 # their wheels in .whl/ (pip download --no-deps --only-binary=:all: -d .whl pycocotools timm==1.0.31, for the
 # machine's Python) and the script installs them first.
@@ -60,6 +61,7 @@ done
 [ -n "$LATER" ] && stage later 300 python3 benchmarks/gpu_calibration.py measure --only "$LATER" --out "$W/later"
 case $CHECKS in *deform*) stage deform 120 python3 benchmarks/deform_check.py;; esac
 case $CHECKS in *temporaries*) stage temporaries 60 python3 benchmarks/cuda_temporaries.py --out "$W";; esac
+case $CHECKS in *convs*) stage convs 120 python3 benchmarks/conv_workspaces.py --out "$W";; esac
 case $CHECKS in *allocator*)
   stage allocator 60 python3 -m pytest -q -p no:cacheprovider tests/measure/test_allocator_traces.py -k installed;;
 esac
