@@ -28,6 +28,7 @@ from memfit.planner.kernel_scratch import H100_SMS
 from memfit.planner.levers import fake_step_cfg
 from memfit.planner.pool import Job, Pool
 from memfit.planner.space import ModelFacts, Plan, technique_cfg
+from memfit.planner.sync_points import SYNC_ONLY
 from memfit.strategies import capabilities_of, fake_step_config, fake_step_strategy
 
 _WORKER: dict[str, Any] = {}  # the forked worker's meta model and batches (memfit.planner.inputs.Inputs)
@@ -131,11 +132,12 @@ def _sharding(key: str, strategy: Any) -> bool:
 def _cost(cfg: dict, full: bool, steps: int, record: tuple[str, ...] | None = None,
           optimizer_only: bool = False) -> float:
     """A fake step's run time in forward/backward runs, for ordering (fitted on DINO Swin-L's steps): each
-    micro-step one, each optimizer step 0.4, FSDP's wrapping 0.5, a recorded forward/backward 1.2."""
+    micro-step one, each optimizer step 0.4, FSDP's wrapping 0.5, a recorded forward/backward 1.2 (one recording
+    only its sync points, ``SYNC_ONLY``: as one not recorded)."""
     if optimizer_only:
         return 0.4
     if not full:
-        return 1.2 if record is not None else 1.0
+        return 1.2 if record is not None and record[:1] != (SYNC_ONLY,) else 1.0
     counts = OptimWrapperSpec.of(cfg.get("optim_wrapper")).accumulative_counts
     return steps * (counts + 0.4) + 0.5 * _fsdp(cfg)
 
