@@ -83,8 +83,7 @@ class LiveStorages(TorchDispatchMode):
     # -- bookkeeping ------------------------------------------------------------------------------
     def add(self, st: torch.UntypedStorage, category: str, retroactive: bool = False) -> None:
         """Count ``st`` under ``category``; a storage seen before only has its size re-read."""
-        if self._pending is not None:
-            self._count_sum()
+        self._settle()
         key = id(st)
         entry = self.live.get(key)
         if entry is not None:
@@ -127,8 +126,7 @@ class LiveStorages(TorchDispatchMode):
 
     def hold(self, key: Hashable, nbytes: int, category: str, stream: Hashable) -> None:
         """``nbytes`` held from now to the end, which no tensor of the step shows (a CUDA target's next batch)."""
-        if self._pending is not None:
-            self._count_sum()
+        self._settle()
         self.current[category] += nbytes
         self.total += nbytes
         self.update_peak()
@@ -202,6 +200,11 @@ class LiveStorages(TorchDispatchMode):
         self.host += n
         self.host_peak = max(self.host_peak, self.host)
 
+    def _settle(self) -> None:
+        """Any event but the older gradient's free settles a pending sum as a new storage."""
+        if self._pending is not None:
+            self._count_sum()
+
     def _count_sum(self, in_place_of: list | None = None) -> None:
         """Count the pending gradient sum: a new storage, or (``in_place_of``: the older gradient's entry, just
         freed) the older one's bytes and allocator block, as a real tensor's in-place sum would have kept them."""
@@ -256,8 +259,7 @@ class LiveStorages(TorchDispatchMode):
             if self.timeline is not None and getattr(sizes, "spec", None) is not None:
                 self.timeline.scratch(sizes)  # a reduction that takes none here may at another micro-batch
             return
-        if self._pending is not None:
-            self._count_sum()
+        self._settle()
         keys = [("scratch", self.serial, i) for i in range(len(sizes))]
         if self.allocator is not None:
             for key, n in zip(keys, sizes):
@@ -328,8 +330,7 @@ class LiveStorages(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        if self._pending is not None:
-            self._count_sum()
+        self._settle()
         torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
         if self._orig_propagate is not None:
             _ShardingPropagator._propagate_tensor_meta_non_cached = self._orig_propagate
