@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
+import torch
+
 from memfit.planner.composer import Composer
 from memfit.planner.results import PlanResult
 from memfit.planner.row_allocator import activations_key
@@ -50,8 +52,10 @@ def _taken(counter: Any, n: int) -> Iterator[int]:
 
 
 def _serve(conn: Connection, runs: Runs, work: Groups, fn: Callable, counter: Any) -> None:
-    # Never the parent's fake-step workers: a step missing here (none should be) runs in this process.
+    # Never the parent's fake-step workers: a step missing here (none should be) runs in this process, on one thread
+    # (the parent's OpenMP threads are not in this fork: a parallel region would wait for them forever).
     runs.pool, runs.forked = None, False
+    torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle (this daemon ends with it)
     out: dict[int, Any] = {}
     try:

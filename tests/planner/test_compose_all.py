@@ -4,6 +4,7 @@ leaves its rows to this one."""
 import os
 
 import pytest
+import torch
 
 from memfit.config import Config
 from memfit.planner import compose_all, predict
@@ -32,21 +33,30 @@ def planned(request, tiny_config, tmp_path_factory):
 
 
 def test_rows_composed_in_two_processes_equal_those_composed_in_one(planned, monkeypatch, tmp_path):
+    """... and the forked process runs on one thread: a fake step it had to run itself would otherwise wait forever
+    for the parent's OpenMP threads, which are not in the fork (Swin-L's composition hung so)."""
     cfg, args, serial = planned
     pids = tmp_path / "pids"
     row = compose_all._row
 
     def logged(compose, plan):
         with open(pids, "a") as f:
-            f.write(f"{os.getpid()}\n")
+            f.write(f"{os.getpid()}:{torch.get_num_threads()}\n")
         return row(compose, plan)
 
     monkeypatch.setattr(compose_all, "_row", logged)
     monkeypatch.setattr(predict, "workers", lambda: 2)  # the fake steps still run here (MEMFIT_PLAN_WORKERS=1)
-    forked = predict.predict(cfg, **args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        forked = predict.predict(cfg, **args)
+    finally:
+        torch.set_num_threads(threads)
     assert _rows(forked) == _rows(serial)
     assert any(r.plan.sharding == "fsdp" for r in serial.results) and len(serial.results) > 20
-    assert len(set(pids.read_text().split())) == 2  # both processes composed rows
+    seen = dict(line.split(":") for line in pids.read_text().split())
+    assert len(seen) == 2  # both processes composed rows
+    assert seen == {str(os.getpid()): "2", **{pid: "1" for pid in seen if pid != str(os.getpid())}}
     if "budget" in args:
         assert any(r.plan.activation_checkpointing == "first1" for r in serial.results)
 
