@@ -96,23 +96,29 @@ def norm_scratch(func: Any, args: tuple, sms: tuple[int, int] = H100_SMS) -> tup
     own staging buffer (``LaunchGammaBetaBackwardCUDAKernel`` in layer_norm_kernel.cu; DINO's encoder at two
     1333x800 images: 4 + 4 MiB of partial sums and an 8 MiB staging buffer in each of its 26 layer norms'
     backward)."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    sizes = [t.numel() * t.element_size() for t in tensors if t.numel() and not t.is_contiguous()]
+    copies = tuple(t.numel() * t.element_size() for t in args
+                   if isinstance(t, torch.Tensor) and t.numel() and not t.is_contiguous())
     if func is not _aten.native_layer_norm_backward.default:
-        return tuple(sizes)
+        return NormBlocks.of(copies, 0, 0, 0, 0, sms)
     x, shape, mask = args[1], args[2], args[7] if len(args) > 7 else (True, True, True)
     n = 1
     for d in shape:
         n *= d
-    m = x.numel() // max(n, 1)
     params = [p for p, wanted in zip(args[5:7], mask[1:]) if isinstance(p, torch.Tensor) and wanted]
-    if not params or m <= 64 * 1024 or n // _WARP >= sms[0] // 2:
-        return tuple(sizes)
-    rows = min(32768 // -(-n // _WARP), -(-m // _WARP))
-    itemsize = params[0].element_size()
-    sizes += [rows * n * itemsize] * len(params)
-    sizes += reduce_scratch((rows, n), (n, 1), 0, itemsize, (0,), 8 if params[0].dtype == torch.float64 else 4, sms)
-    return tuple(sizes)
+    if not params:
+        return NormBlocks.of(copies, 0, 0, 0, 0, sms)
+    return NormBlocks.of(copies, x.numel() // max(n, 1), n, params[0].element_size(), len(params), sms)
+
+
+def _two_pass(rows: int, features: int, itemsize: int, params: int, sms: tuple[int, int]) -> tuple[int, ...]:
+    """A layer norm backward's weight and bias gradients over ``rows`` of ``features`` (:func:`norm_scratch`): its
+    partial sums and their reduction's staging buffer, or none where it sums them in one pass."""
+    if not params or rows <= 64 * 1024 or features // _WARP >= sms[0] // 2:
+        return ()
+    blocks = min(32768 // -(-features // _WARP), -(-rows // _WARP))
+    acc_size = 8 if itemsize == 8 else 4
+    return (blocks * features * itemsize,) * params + \
+        reduce_scratch((blocks, features), (features, 1), 0, itemsize, (0,), acc_size, sms)
 
 
 def cuda_scratch(func: Any, args: tuple, kwargs: dict | None, out: Any, sms: tuple[int, int] = H100_SMS
@@ -153,6 +159,26 @@ class Blocks(tuple):
         out = cls(reduce_scratch(shape, stride, offset, itemsize, dims, acc_size, sms))
         out.spec = (shape, stride, offset, itemsize, dims, acc_size, sms)
         return out
+
+
+class NormBlocks(tuple):
+    """A norm's scratch block sizes (:func:`norm_scratch`) with what gave them (``spec``: ``("norm", what scales
+    with the micro-batch: the copies' bytes and the rows, what does not)``), worked out again at another micro-batch
+    by :mod:`memfit.planner.timeline_scale` (the two passes begin past 65,536 rows)."""
+
+    spec: tuple | None = None
+
+    @classmethod
+    def of(cls, copies: tuple[int, ...], rows: int, features: int, itemsize: int, params: int,
+           sms: tuple[int, int]) -> NormBlocks:
+        out = cls(copies + _two_pass(rows, features, itemsize, params, sms))
+        out.spec = ("norm", (*copies, rows), (features, itemsize, params, sms))
+        return out
+
+    @classmethod
+    def at(cls, linear: tuple[int, ...], constant: tuple) -> NormBlocks:
+        """The same norm's blocks from its spec's two parts, the first at another micro-batch."""
+        return cls.of(linear[:-1], linear[-1], *constant)
 
 
 def _dims(dim: Any, ndim: int) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from memfit.planner.fake import StepMeasurement
-from memfit.planner.kernel_scratch import Blocks
+from memfit.planner.kernel_scratch import Blocks, NormBlocks
 from memfit.planner.timeline import ALLOC, FREE, OP, SCRATCH, Timeline
 
 
@@ -109,8 +109,8 @@ def _same_prefix(low: Timeline, high: Timeline) -> bool:
 
 
 def _scratch(a: tuple, b: tuple, line: _Line) -> tuple[int, ...] | None:
-    """A reduction's scratch blocks at the line's micro-batch, from its arguments at the two recordings'; another
-    operator's (a copy of its input: ``torch.roll``'s) on the line through their sizes."""
+    """A reduction's or a norm's scratch blocks at the line's micro-batch, from its arguments at the two
+    recordings'; another operator's (a copy of its input: ``torch.roll``'s) on the line through their sizes."""
     spec_a, spec_b = a[2], b[2]
     if spec_a is None and spec_b is None:
         if len(a[1]) != len(b[1]):
@@ -119,6 +119,11 @@ def _scratch(a: tuple, b: tuple, line: _Line) -> tuple[int, ...] | None:
         return None if None in sizes else sizes
     if spec_a is None or spec_b is None:
         return None
+    if spec_a[0] == "norm" or spec_b[0] == "norm":  # a norm's: its copies and rows on the line, the rest the same
+        if spec_a[0] != spec_b[0] or spec_a[2] != spec_b[2] or len(spec_a[1]) != len(spec_b[1]):
+            return None
+        linear = tuple(line(x, y) for x, y in zip(spec_a[1], spec_b[1]))
+        return None if None in linear else NormBlocks.at(linear, spec_a[2])  # type: ignore[arg-type]
     (shape_a, stride_a, off_a, *rest_a), (shape_b, stride_b, off_b, *rest_b) = spec_a, spec_b
     if rest_a != rest_b or len(shape_a) != len(shape_b):
         return None

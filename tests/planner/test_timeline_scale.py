@@ -8,7 +8,7 @@ import pytest
 
 from memfit.measure import CachingAllocatorModel
 from memfit.planner.fake import build_meta_model, fake_process_group, first_batch, measure_step
-from memfit.planner.kernel_scratch import Blocks
+from memfit.planner.kernel_scratch import Blocks, NormBlocks
 from memfit.planner.recompute import compose
 from memfit.planner.space import ModelFacts, Plan, checkpointed_modules
 from memfit.planner.timeline import ALLOC, OP, SCRATCH, Timeline
@@ -81,6 +81,23 @@ def test_a_reductions_scratch_is_worked_out_again_at_the_new_micro_batch():
         assert scaled.events == [event(b)[0], (9, event(b)[1][1], None), (OP, b * 10, b * 4, False)], b
     # None at 4 images, split at 12, and not in proportion between the recordings
     assert not event(4)[1][1] and event(12)[1][1] and event(32)[1][1][0] != 2 * event(16)[1][1][0]
+
+
+def test_a_layer_norms_scratch_is_worked_out_again_across_its_two_pass_threshold():
+    """A Swin-L first stage's layer norm backward (3,136 rows of 192 features an image) with a copy of a transposed
+    gradient: one pass at 16 images, two past 65,536 rows (21 images), its partial sums capped from 56 images.
+    Recorded at 16 and 32 images (one block, then five), each micro-batch's blocks are its own."""
+    def event(b: int) -> tuple:
+        blocks = NormBlocks.of((b * 3136 * 192 * 4,), b * 3136, 192, 4, 2, (132, 2048))
+        return (ALLOC, 1, b * 3136 * 192 * 4, False), (SCRATCH, tuple(blocks), blocks.spec)
+
+    def timeline(b: int) -> Timeline:
+        return Timeline(events=[*event(b), (OP, b * 10, b * 4, False)])
+
+    assert len(event(16)[1][1]) == 1 and len(event(24)[1][1]) == 5 and event(56)[1][1][1] == event(64)[1][1][1]
+    for b in (8, 24, 40, 64):
+        scaled = at_micro_batch(timeline(16), timeline(32), (16, 32), b)
+        assert scaled.events[1] == (SCRATCH, event(b)[1][1], None), b
 
 
 def test_a_rolls_copy_of_its_input_scales_with_the_batch():
