@@ -148,8 +148,9 @@ def cuda_scratch(func: Any, args: tuple, kwargs: dict | None, out: Any, sms: tup
 
 
 class Blocks(tuple):
-    """A reduction's scratch block sizes (:func:`reduce_scratch`), with the arguments that gave them (``spec``),
-    so that a recording can work them out again at another micro-batch (:mod:`memfit.planner.timeline_scale`)."""
+    """A reduction's scratch block sizes (:func:`reduce_scratch`), with the arguments that gave them, so that a
+    recording can work them out again at another micro-batch (:mod:`memfit.planner.timeline_scale`): ``spec`` is
+    ``(cls, what scales with the micro-batch, what does not)``, and ``cls.at`` makes the blocks from the two."""
 
     spec: tuple | None = None
 
@@ -157,27 +158,31 @@ class Blocks(tuple):
     def of(cls, shape: tuple[int, ...], stride: tuple[int, ...], offset: int, itemsize: int, dims: tuple[int, ...],
            acc_size: int, sms: tuple[int, int]) -> Blocks:
         out = cls(reduce_scratch(shape, stride, offset, itemsize, dims, acc_size, sms))
-        out.spec = (shape, stride, offset, itemsize, dims, acc_size, sms)
+        out.spec = (cls, (*shape, *stride, offset), (len(shape), itemsize, dims, acc_size, sms))
         return out
 
+    @classmethod
+    def at(cls, linear: tuple[int, ...], constant: tuple) -> Blocks:
+        """The blocks of ``spec``'s two parts (the first at another micro-batch): the input's shape, strides and
+        offset; its dimensions, item size, reduced dims, accumulator size and SMs."""
+        ndim, *rest = constant
+        return cls.of(linear[:ndim], linear[ndim:2 * ndim], linear[-1], *rest)
 
-class NormBlocks(tuple):
-    """A norm's scratch block sizes (:func:`norm_scratch`) with what gave them (``spec``: ``("norm", what scales
-    with the micro-batch: the copies' bytes and the rows, what does not)``), worked out again at another micro-batch
-    by :mod:`memfit.planner.timeline_scale` (the two passes begin past 65,536 rows)."""
 
-    spec: tuple | None = None
+class NormBlocks(Blocks):
+    """A norm's scratch block sizes (:func:`norm_scratch`), ``spec`` as :class:`Blocks`': what scales with the
+    micro-batch are the copies' bytes and the rows (the two passes begin past 65,536 rows)."""
 
     @classmethod
-    def of(cls, copies: tuple[int, ...], rows: int, features: int, itemsize: int, params: int,
+    def of(cls, copies: tuple[int, ...], rows: int, features: int, itemsize: int, params: int,  # type: ignore[override]
            sms: tuple[int, int]) -> NormBlocks:
         out = cls(copies + _two_pass(rows, features, itemsize, params, sms))
-        out.spec = ("norm", (*copies, rows), (features, itemsize, params, sms))
+        out.spec = (cls, (*copies, rows), (features, itemsize, params, sms))
         return out
 
     @classmethod
     def at(cls, linear: tuple[int, ...], constant: tuple) -> NormBlocks:
-        """The same norm's blocks from its spec's two parts, the first at another micro-batch."""
+        """The blocks of ``spec``'s two parts (the first at another micro-batch)."""
         return cls.of(linear[:-1], linear[-1], *constant)
 
 

@@ -37,7 +37,7 @@ ENTER = 6  # (ENTER, call, input uids): a region's forward began (``calls[call]`
 EXIT = 7  # (EXIT, call)
 WRITE = 8  # (WRITE, uid): an in-place operator wrote to the storage
 # (SCRATCH, sizes, spec): the operator just counted took blocks of these bytes while it ran (CUDA targets; spec:
-# a reduction's arguments, kernel_scratch.Blocks)
+# a reduction's or a norm's arguments, kernel_scratch.Blocks)
 SCRATCH = 9
 # (DROP, hid): what the unpack of ``hid`` handed backward died (the backward function that asked for it returned:
 # where checkpointing frees a recomputed tensor, before autograd sums a broadcast gradient and releases the rest)

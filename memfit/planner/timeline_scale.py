@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 from memfit.planner.fake import StepMeasurement
-from memfit.planner.kernel_scratch import Blocks, NormBlocks
 from memfit.planner.timeline import ALLOC, FREE, OP, SCRATCH, Timeline
 
 
@@ -119,17 +118,9 @@ def _scratch(a: tuple, b: tuple, line: _Line) -> tuple[int, ...] | None:
         return None if None in sizes else sizes
     if spec_a is None or spec_b is None:
         return None
-    if spec_a[0] == "norm" or spec_b[0] == "norm":  # a norm's: its copies and rows on the line, the rest the same
-        if spec_a[0] != spec_b[0] or spec_a[2] != spec_b[2] or len(spec_a[1]) != len(spec_b[1]):
-            return None
-        linear = tuple(line(x, y) for x, y in zip(spec_a[1], spec_b[1]))
-        return None if None in linear else NormBlocks.at(linear, spec_a[2])  # type: ignore[arg-type]
-    (shape_a, stride_a, off_a, *rest_a), (shape_b, stride_b, off_b, *rest_b) = spec_a, spec_b
-    if rest_a != rest_b or len(shape_a) != len(shape_b):
+    # (kernel_scratch.Blocks' spec) what scales with the batch on the line, the rest the same
+    (kind, linear_a, constant), (kind_b, linear_b, constant_b) = spec_a, spec_b
+    if kind is not kind_b or constant != constant_b or len(linear_a) != len(linear_b):
         return None
-    shape = tuple(line(x, y) for x, y in zip(shape_a, shape_b))
-    stride = tuple(line(x, y) for x, y in zip(stride_a, stride_b))
-    offset = line(off_a, off_b)
-    if None in shape or None in stride or offset is None:
-        return None
-    return Blocks.of(shape, stride, offset, *rest_a)  # type: ignore[arg-type]
+    linear = tuple(line(x, y) for x, y in zip(linear_a, linear_b))
+    return None if None in linear else kind.at(linear, constant)
