@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.measure.caching_allocator import CachingAllocatorModel
-from memfit.measure.gradient_sums import BlockKeys, sums_gradients
+from memfit.measure.gradient_sums import BlockKeys, fills_in_place, sums_gradients
 from memfit.measure.storages import storages
 
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "communication", "inputs")
@@ -364,7 +364,7 @@ class LiveStorages(TorchDispatchMode):
         if own:
             if comm:
                 self._communication(storages(out))
-            elif sums_gradients(func, args, kwargs, out, self.live):
+            elif sums_gradients(func, args, kwargs, out, self.live) or fills_in_place(func, args, out, self.live):
                 self._pending = (out.untyped_storage(), id(args[0].untyped_storage()), self.new_category)
             else:
                 for st in storages(out):
