@@ -246,6 +246,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
     from memfit.measure.target import measured_for
     from memfit.optim.builder import scale_lr_cfg
     from memfit.planner.cuda_autocast import cuda_autocast_on_cpu
+    from memfit.planner.real_paths import real_paths
     from memfit.planner.sync_points import SyncRecorder
     from memfit.planner.timeline import Recorder
     from memfit.precision import precision_options
@@ -293,7 +294,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
             recorder = SyncRecorder(model, regions) if full or sync_only else Recorder(regions, allocator, model)
         observer = recorder.observe(counter) if recorder is not None else counter
         with counter, MemoryTracker(model, wrapper.optimizer, observer=observer, allocator=allocator) as tracker, \
-                cuda_autocast_on_cpu(cuda), measured_for("cuda" if cuda else None):
+                cuda_autocast_on_cpu(cuda), real_paths(cuda), measured_for("cuda" if cuda else None):
             if allocator is not None:  # allocated before the step's first kernels: workspaces, DDP's buckets
                 for i, n in enumerate(CUBLAS_BLOCKS + ddp_buckets(buckets)):
                     allocator.malloc(("before the step", i), n)
@@ -352,7 +353,7 @@ def measure_step(cfg: dict, *, full: bool = True, batch: Any = None, meta_model:
                            written=counter.written // (counts if full else 1),
                            comm=dict(counter.comm), seconds=time.perf_counter() - start,
                            cuda_allocated=allocator.peak_allocated if allocator else 0,
-                           cuda_reserved=allocator.peak_reserved if allocator else 0,
+                           cuda_reserved=allocator.reserved_beside_strays() if allocator else 0,
                            timeline=recorder.timeline if isinstance(recorder, Recorder) else None,
                            sync=recorder.profile.shifted(held) if isinstance(recorder, SyncRecorder) else None,
                            shard_trace=recorder.trace if isinstance(recorder, SyncRecorder) else None,
