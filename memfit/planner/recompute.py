@@ -291,5 +291,5 @@ def _replay(tl: Timeline, items: list[tuple], flops: int, ops: int, written: int
         requested = allocator.peak_requested
     else:
         allocator.run(tail)
-    return Composed(peak, flops, ops, written, allocator.peak_allocated, allocator.peak_reserved, requested,
+    return Composed(peak, flops, ops, written, allocator.peak_allocated, allocator.reserved_beside_strays(), requested,
                     peak_without_grads=peak_ng, sync=sync)

@@ -154,7 +154,7 @@ class RowAllocator:
             allocator.run(calls[first:step_at])
             allocator.finish_steps(start, epilogue, allocator.held_since(start), micro_steps, calls[step_at:])
             out = self.composed[full_key] = replace(act, cuda_allocated=allocator.peak_allocated,
-                                                    cuda_reserved=allocator.peak_reserved,
+                                                    cuda_reserved=allocator.reserved_beside_strays(),
                                                     cuda_requested=allocator.peak_requested)
         else:
             recorded = self._recorded(plan, mb)

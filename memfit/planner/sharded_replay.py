@@ -236,5 +236,5 @@ class ShardedRows:
                 steps = self._steps[id(st)] = ShardedSteps(st)
             allocator = steps.run(self._events[1], optimizer, micro_steps, inputs)
             self.figures[done] = None if allocator is None else \
-                (allocator.peak_allocated, allocator.peak_reserved, allocator.peak_requested)
+                (allocator.peak_allocated, allocator.reserved_beside_strays(), allocator.peak_requested)
         return self.figures[done]

@@ -168,3 +168,19 @@ def test_replay_keeps_each_request_on_its_stream():
     reserved = a.reserved
     a.replay(0)  # the next step's copy reuses the side stream's block: nothing more reserved
     assert a.reserved == reserved == 12 * MiB
+
+
+def test_reserved_beside_stray_blocks_is_the_worse_way_the_segments_fragment():
+    """A 60 MiB block freed, then 3, 5 and 7 MiB ones and 60 MiB again: the small ones share one 20 MiB segment and
+    the second 60 MiB block takes the first's (80 MiB reserved). Beside a 6 or 8 MiB block held from the start (what
+    a process's own allocations may leave), the 20 MiB segment fills up, the 7 MiB block splits the freed 60 MiB one
+    and the second 60 MiB block needs a segment of its own: 140 MiB, 120 less the stray's segment."""
+    mib = 2**20
+    calls = [("a", 60 * mib), ("b", 3 * mib), ("a", None), ("c", 5 * mib), ("d", 7 * mib), ("e", 60 * mib)]
+    model = CachingAllocatorModel.rerun(calls)
+    assert model.peak_reserved == 80 * mib
+    assert CachingAllocatorModel.rerun(calls, held=6 * mib).peak_reserved == 140 * mib
+    assert model.reserved_beside_strays() == 120 * mib
+    # Where no stray changes how the segments fragment, the stray's own segment is not counted.
+    alone = CachingAllocatorModel.rerun(calls[:2])
+    assert alone.reserved_beside_strays() == alone.peak_reserved == 80 * mib
