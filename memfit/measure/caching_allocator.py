@@ -34,7 +34,8 @@ ROUND_LARGE = 2 * 2**20
 # libraries' handles or a user's own tensors left. Which segments a step's blocks land in can turn on one such block:
 # DINO Swin-L with both its checkpointings reserves 12.05 GiB on the simulated allocator, 13.45 GiB beside a 2 MiB
 # block held from the start (13.09 on an H100); its AMP row reserved 9.25 and 9.90 GiB in two H100 runs.
-STRAY_BLOCKS = (2 * 2**20, 4 * 2**20, 6 * 2**20, 8 * 2**20)
+STRAY_BLOCKS = (2 * 2**20, 6 * 2**20)
+_BESIDE_STRAYS: dict[Hashable, int] = {}  # reserved_beside_strays' figures by their calls' sizes and order
 
 
 class _Block:
@@ -230,10 +231,32 @@ class CachingAllocatorModel:
     def reserved_beside_strays(self) -> int:
         """The largest peak reserved of this model's calls, as they ran and run again beside each of
         :data:`STRAY_BLOCKS` (less the segment the stray block took): what a GPU may reserve for them, whichever way
-        its segments fragment."""
-        trace, streams = self.calls()
-        return max(self.peak_reserved, *(self.rerun(trace, streams, n).peak_reserved - segment_size(round_size(n))
-                                         for n in STRAY_BLOCKS))
+        its segments fragment. Segments are never released, so a peak reserved is the last; a stray block is of the
+        large pool, so only the large pool's calls run again, beside the small pool's segments as they were. Calls
+        of the same sizes in the same order (a planner's rows that differ in what does not allocate) run once."""
+        live: dict[Hashable, int] = {}
+        large: list[tuple[Hashable, int | None]] = []
+        streams: dict[int, Hashable] = {}
+        shape = []  # each large allocation's size; each free, how many calls back its block was allocated
+        for i, (key, n) in enumerate(self.trace):
+            if n is None:
+                if key in live:
+                    shape.append(live.pop(key) - len(large) - 1)
+                    large.append((key, None))
+            elif n > SMALL_SIZE:  # over 1 MiB (rounded up to 512 bytes too): the large pool's
+                if i in self._trace_streams:
+                    streams[len(large)] = self._trace_streams[i]
+                live[key] = len(large)
+                large.append((key, n))
+                shape.append(n)
+        small = sum(head.size for head in self._heads if head.small)
+        fingerprint = (len(shape), hash(tuple(shape)), hash(tuple(sorted(streams.items()))), self.peak_reserved)
+        if fingerprint not in _BESIDE_STRAYS:
+            if len(_BESIDE_STRAYS) >= 1024:
+                _BESIDE_STRAYS.clear()
+            _BESIDE_STRAYS[fingerprint] = max(self.peak_reserved, *(
+                self.rerun(large, streams, n).reserved - segment_size(round_size(n)) + small for n in STRAY_BLOCKS))
+        return _BESIDE_STRAYS[fingerprint]
 
     def calls(self) -> tuple[list[tuple[Hashable, int | None]], dict[int, Hashable]]:
         """``(trace, streams)``, what :meth:`rerun` takes (copies)."""

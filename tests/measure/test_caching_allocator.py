@@ -15,6 +15,7 @@ after ``empty_cache``). The new test starts from the segments it finds and needs
 
 import pytest
 
+from memfit.measure import caching_allocator
 from memfit.measure.caching_allocator import CachingAllocatorModel, round_size, segment_size
 
 KiB, MiB = 2**10, 2**20
@@ -184,3 +185,21 @@ def test_reserved_beside_stray_blocks_is_the_worse_way_the_segments_fragment():
     # Where no stray changes how the segments fragment, the stray's own segment is not counted.
     alone = CachingAllocatorModel.rerun(calls[:2])
     assert alone.reserved_beside_strays() == alone.peak_reserved == 80 * mib
+
+
+def test_calls_of_the_same_sizes_in_the_same_order_are_run_beside_the_strays_once(monkeypatch):
+    mib = 2**20
+    calls = [("a", 60 * mib), ("b", 3 * mib), ("a", None), ("c", 5 * mib), ("d", 7 * mib), ("e", 60 * mib)]
+    renamed = [(("row 2", key), n) for key, n in calls]
+    first = CachingAllocatorModel.rerun(calls)
+    reruns = []
+    rerun = CachingAllocatorModel.rerun.__func__
+    monkeypatch.setattr(CachingAllocatorModel, "rerun",
+                        classmethod(lambda cls, *a, **k: reruns.append(1) or rerun(cls, *a, **k)))
+    assert first.reserved_beside_strays() == 120 * mib
+    ran = len(reruns)
+    assert CachingAllocatorModel.rerun(renamed).reserved_beside_strays() == 120 * mib
+    assert len(reruns) == ran + 1  # the rerun that made the model; none beside the strays
+    other = calls[:4] + [("d", 9 * mib), ("e", 60 * mib)]  # another size: run beside them again
+    CachingAllocatorModel.rerun(other).reserved_beside_strays()
+    assert len(reruns) == ran + 2 + len(caching_allocator.STRAY_BLOCKS)
