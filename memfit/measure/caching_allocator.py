@@ -32,7 +32,7 @@ MIN_LARGE_ALLOC = 10 * 2**20
 ROUND_LARGE = 2 * 2**20
 # Blocks a process may hold before its training step that the step does not show: what its model's construction, the
 # libraries' handles or a user's own tensors left. Which segments a step's blocks land in can turn on one such block:
-# DINO Swin-L with both its checkpointings reserves 12.05 GiB on the simulated allocator, 13.45 GiB beside a 2 MiB
+# DINO Swin-L with both its checkpointings reserves 12.05 GiB on the simulated allocator, 13.03 GiB beside a 2 MiB
 # block held from the start (13.09 on an H100); its AMP row reserved 9.25 and 9.90 GiB in two H100 runs.
 STRAY_BLOCKS = (2 * 2**20, 6 * 2**20)
 _BESIDE_STRAYS: dict[Hashable, int] = {}  # reserved_beside_strays' figures by their calls' sizes and order
