@@ -250,7 +250,7 @@ class CachingAllocatorModel:
                 large.append((key, n))
                 shape.append(n)
         small = sum(head.size for head in self._heads if head.small)
-        fingerprint = (len(shape), hash(tuple(shape)), hash(tuple(sorted(streams.items()))), self.peak_reserved)
+        fingerprint = (len(shape), hash(tuple(shape)), hash(tuple(sorted(streams.items()))), small, self.peak_reserved)
         if fingerprint not in _BESIDE_STRAYS:
             if len(_BESIDE_STRAYS) >= 1024:
                 _BESIDE_STRAYS.clear()

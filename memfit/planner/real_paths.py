@@ -39,14 +39,18 @@ def _aligned(mask: torch.Tensor) -> bool:
 
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                  attn_mask: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` with the mask a CUDA device's memory-efficient kernel takes: a boolean
-    mask made additive, then a copy padded to whole rows of 8 (a view of it without the padding) where the mask's
-    strides are not aligned. The copy lives as long as the attention's saved tensors."""
+    """``F.scaled_dot_product_attention`` with the mask a CUDA device's memory-efficient kernel takes: cast as
+    autocast casts it (the CPU's autocast standing in for CUDA's), a boolean mask made additive, then a copy padded to
+    whole rows of 8 (a view of it without the padding) where the mask's strides are not aligned. The copy lives as
+    long as the attention's saved tensors."""
     head = query.shape[-1] if query.dim() else 0
     if attn_mask is not None and attn_mask.dim() and query.dtype in _EFFICIENT_DTYPES and head % 8 == 0:
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
         if attn_mask.dtype == torch.bool:  # convert_boolean_attn_mask: where(mask, 0, -inf)
-            zero = torch.zeros((), dtype=query.dtype, device=query.device)
+            zero = torch.zeros((), dtype=dtype, device=query.device)
             attn_mask = torch.where(attn_mask, zero, torch.full_like(zero, float("-inf")))
+        elif attn_mask.dtype != dtype:
+            attn_mask = attn_mask.to(dtype)
         if not _aligned(attn_mask):
             size = attn_mask.shape[-1]
             attn_mask = F.pad(attn_mask, (0, _MASK_ALIGNMENT - size % _MASK_ALIGNMENT))[..., :size]

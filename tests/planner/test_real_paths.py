@@ -71,3 +71,16 @@ def test_an_aligned_mask_is_not_copied():
     forward, _, _ = _allocations(_attention(16), paths=True, cuda=True)
     plain, _, _ = _allocations(_attention(16), paths=False, cuda=True)
     assert forward == plain
+
+
+def test_under_autocast_the_padded_copy_is_of_the_autocast_dtype():
+    """CUDA's autocast casts the mask before the kernel pads it: beside the cast (10 x 10 bf16, which a CPU makes too)
+    the one block more is the padded copy the backward keeps, bf16 (10 x 16 x 2 bytes), not fp32."""
+    def step() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _attention(10)()
+
+    forward, _, _ = _allocations(step, paths=True, cuda=True)
+    cpu, _, _ = _allocations(step, paths=True, cuda=False)
+    more = [n for n in set(forward) | set(cpu) if forward.count(n) != cpu.count(n)]
+    assert sorted((n, forward.count(n) - cpu.count(n)) for n in more) == [(10 * 16 * 2, 1)]
