@@ -171,13 +171,18 @@ def test_replay_keeps_each_request_on_its_stream():
     assert a.reserved == reserved == 12 * MiB
 
 
+MIB = 2**20
+# A 60 MiB block freed, then 3, 5 and 7 MiB ones and 60 MiB again: fragments one way or another beside a stray block.
+_FRAGMENTS = [("a", 60 * MIB), ("b", 3 * MIB), ("a", None), ("c", 5 * MIB), ("d", 7 * MIB), ("e", 60 * MIB)]
+
+
 def test_reserved_beside_stray_blocks_is_the_worse_way_the_segments_fragment():
     """A 60 MiB block freed, then 3, 5 and 7 MiB ones and 60 MiB again: the small ones share one 20 MiB segment and
     the second 60 MiB block takes the first's (80 MiB reserved). Beside a 6 or 8 MiB block held from the start (what
     a process's own allocations may leave), the 20 MiB segment fills up, the 7 MiB block splits the freed 60 MiB one
     and the second 60 MiB block needs a segment of its own: 140 MiB, 120 less the stray's segment."""
     mib = 2**20
-    calls = [("a", 60 * mib), ("b", 3 * mib), ("a", None), ("c", 5 * mib), ("d", 7 * mib), ("e", 60 * mib)]
+    calls = _FRAGMENTS
     model = CachingAllocatorModel.rerun(calls)
     assert model.peak_reserved == 80 * mib
     assert CachingAllocatorModel.rerun(calls, held=6 * mib).peak_reserved == 140 * mib
@@ -189,7 +194,7 @@ def test_reserved_beside_stray_blocks_is_the_worse_way_the_segments_fragment():
 
 def test_calls_of_the_same_sizes_in_the_same_order_are_run_beside_the_strays_once(monkeypatch):
     mib = 2**20
-    calls = [("a", 60 * mib), ("b", 3 * mib), ("a", None), ("c", 5 * mib), ("d", 7 * mib), ("e", 60 * mib)]
+    calls = _FRAGMENTS
     renamed = [(("row 2", key), n) for key, n in calls]
     first = CachingAllocatorModel.rerun(calls)
     reruns = []
