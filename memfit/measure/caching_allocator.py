@@ -38,13 +38,28 @@ STRAY_BLOCKS = (2 * 2**20, 6 * 2**20)
 _BESIDE_STRAYS: dict[Hashable, int] = {}  # reserved_beside_strays' figures by their calls' sizes and order
 
 
-class _Block:
-    __slots__ = ("addr", "size", "small", "stream", "free", "prev", "next")
+_ADDR_BITS = 44  # a free block's place in its pool: size << _ADDR_BITS | address (16 TiB of addresses)
 
-    def __init__(self, addr: int, size: int, small: bool, stream: Hashable) -> None:
-        self.addr, self.size, self.small, self.stream, self.free = addr, size, small, stream, True
+
+class _Pool:
+    """The free blocks of one (stream, small) pool, ordered by (size, address) as the allocator's sets are: sorted
+    integer keys (``size << _ADDR_BITS | address``; ints compare faster than tuples) and each key's block."""
+
+    __slots__ = ("keys", "blocks")
+
+    def __init__(self) -> None:
+        self.keys: list[int] = []
+        self.blocks: dict[int, _Block] = {}
+
+
+class _Block:
+    __slots__ = ("addr", "size", "small", "stream", "free", "prev", "next", "pool", "requested")
+
+    def __init__(self, addr: int, size: int, small: bool, stream: Hashable, pool: _Pool) -> None:
+        self.addr, self.size, self.small, self.stream, self.free, self.pool = addr, size, small, stream, True, pool
         self.prev: _Block | None = None
         self.next: _Block | None = None
+        self.requested = 0  # the bytes asked for (before rounding) while allocated
 
 
 def round_size(nbytes: int) -> int:
@@ -74,7 +89,7 @@ class CachingAllocatorModel:
         self._trace_streams: dict[int, Hashable] = {}  # index in trace -> stream, where not 0
         self.segments: list[tuple[int, int, Hashable]] = []
         # Free blocks of each (stream, small) pool, sorted by (size, address) as the allocator's sets are.
-        self._pools: dict[tuple[Hashable, bool], list[tuple[int, int, _Block]]] = {}
+        self._pools: dict[Hashable, tuple[_Pool, _Pool]] = {}  # each stream's (large, small) pools
         self._used: dict[Hashable, _Block] = {}
         self._heads: list[_Block] = []  # each segment's first block
         self._next_addr = 0
@@ -82,7 +97,6 @@ class CachingAllocatorModel:
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
         # Bytes requested by the live blocks (before rounding) and their peak: what the program itself holds.
         self.requested = self.peak_requested = 0
-        self._sizes: dict[Hashable, int] = {}
 
     def next_segment_at(self, addr: int) -> None:
         """The address the next segment reserved takes (cudaMalloc's choice, read from a recorded trace).
@@ -124,8 +138,9 @@ class CachingAllocatorModel:
         if sum(n for _, n in blocks) != size:
             raise ValueError(f"blocks of {sum(n for _, n in blocks)} bytes in a segment of {size}")
         small, chain, at = size <= SMALL_BUFFER, [], addr
+        pool = self._pool(stream, small)
         for _, n in blocks:
-            block = _Block(at, n, small, stream)
+            block = _Block(at, n, small, stream, pool)
             block.free, at = False, at + n
             if chain:
                 chain[-1].next, block.prev = block, chain[-1]
@@ -149,31 +164,33 @@ class CachingAllocatorModel:
         self.trace.append((key, nbytes))
         size = -(-nbytes // MIN_BLOCK) * MIN_BLOCK  # round_size's, inlined: the planner's hottest call
         small = size <= SMALL_SIZE
-        pool = self._pools.get((stream, small))
-        if pool is None:
-            pool = self._pools[(stream, small)] = []
-        i = bisect_left(pool, (size, -1))
-        if i < len(pool):
-            block = pool.pop(i)[2]
+        pools = self._pools.get(stream)
+        pool = (pools or self._new_pools(stream))[small]
+        keys = pool.keys
+        i = bisect_left(keys, size << _ADDR_BITS)
+        if i < len(keys):
+            block = pool.blocks.pop(keys.pop(i))
         else:
             seg = segment_size(size)
             addr, self._placed = (self._next_addr if self._placed is None else self._placed), None
-            block = _Block(addr, seg, small, stream)
+            block = _Block(addr, seg, small, stream, pool)
             self._reserve(block, seg)
         rest = block.size - size
         if rest >= MIN_BLOCK if small else rest > SMALL_SIZE:
-            tail = _Block(block.addr + size, rest, small, stream)
+            tail = _Block(block.addr + size, rest, small, stream, pool)
             tail.prev, tail.next = block, block.next
             if block.next is not None:
                 block.next.prev = tail
             block.next, block.size = tail, size
-            insort(pool, (tail.size, tail.addr, tail))
+            k = rest << _ADDR_BITS | tail.addr
+            insort(keys, k)
+            pool.blocks[k] = tail
         block.free = False
+        block.requested = nbytes
         self._used[key] = block
         self.allocated += block.size
         if self.allocated > self.peak_allocated:
             self.peak_allocated = self.allocated
-        self._sizes[key] = nbytes
         self.requested += nbytes
         if self.requested > self.peak_requested:
             self.peak_requested = self.requested
@@ -186,31 +203,42 @@ class CachingAllocatorModel:
             return
         self.trace.append((key, None))
         self.allocated -= block.size
-        self.requested -= self._sizes.pop(key, 0)
+        self.requested -= block.requested
         self._insert_free(block)
+
+    def _new_pools(self, stream: Hashable) -> tuple[_Pool, _Pool]:
+        pools = self._pools[stream] = (_Pool(), _Pool())
+        return pools
+
+    def _pool(self, stream: Hashable, small: bool) -> _Pool:
+        return (self._pools.get(stream) or self._new_pools(stream))[small]
 
     def _insert_free(self, block: _Block) -> _Block:
         """Mark ``block`` free, merged with its free neighbours, in its pool; the merged block."""
         block.free = True
-        pool = self._pools.get((block.stream, block.small))
-        if pool is None:
-            pool = self._pools[(block.stream, block.small)] = []
-        for other in (block.prev, block.next):
-            if other is None or not other.free:
-                continue
-            del pool[bisect_left(pool, (other.size, other.addr))]
-            if other is block.prev:
-                other.size += block.size
-                other.next = block.next
-                if block.next is not None:
-                    block.next.prev = other
-                block = other
-            else:
-                block.size += other.size
-                block.next = other.next
-                if other.next is not None:
-                    other.next.prev = block
-        insort(pool, (block.size, block.addr, block))
+        pool = block.pool
+        keys, blocks = pool.keys, pool.blocks
+        prev, nxt = block.prev, block.next
+        if prev is not None and prev.free:
+            k = prev.size << _ADDR_BITS | prev.addr
+            del keys[bisect_left(keys, k)]
+            del blocks[k]
+            prev.size += block.size
+            prev.next = nxt
+            if nxt is not None:
+                nxt.prev = prev
+            block = prev
+        if nxt is not None and nxt.free:
+            k = nxt.size << _ADDR_BITS | nxt.addr
+            del keys[bisect_left(keys, k)]
+            del blocks[k]
+            block.size += nxt.size
+            block.next = nxt.next
+            if nxt.next is not None:
+                nxt.next.prev = block
+        k = block.size << _ADDR_BITS | block.addr
+        insort(keys, k)
+        blocks[k] = block
         return block
 
     @classmethod
