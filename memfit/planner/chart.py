@@ -172,6 +172,7 @@ def write_png(pred: Prediction, path: str | Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     path = Path(path)
+    path = path if path.suffix else path.with_suffix(".png")  # what savefig writes for a name without one
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)

@@ -31,11 +31,12 @@ def run(*argv: str) -> tuple[int, str, str]:
 
 @pytest.fixture(scope="module")
 def planned(tiny_config, tmp_path_factory):
-    """``memfit plan CFG --json --png`` on this CPU: (exit status, stdout, JSON document, directory)."""
+    """``memfit plan CFG --json --png`` on this CPU: (exit status, stdout, JSON document, directory). The chart's
+    name has no suffix: it is written as a PNG, ``chart.png``."""
     d = tmp_path_factory.mktemp("plan_cli")
     cfg = tiny_config(d)
     code, out, err = run("plan", str(cfg), "--device", "cpu", "--json", str(d / "plan.json"), "--png",
-                         str(d / "chart.png"), "--top", "10")
+                         str(d / "chart"), "--top", "10")
     assert code == 0, err
     return out, json.loads((d / "plan.json").read_text()), d
 
@@ -77,8 +78,9 @@ def test_plan_json_has_exactly_the_documented_keys(planned):
 
 
 def test_plan_writes_the_chart(planned):
-    _, _, d = planned
-    assert (d / "chart.png").read_bytes()[:8] == PNG
+    out, _, d = planned
+    assert (d / "chart.png").read_bytes()[:8] == PNG and not (d / "chart").exists()
+    assert f"wrote {d / 'chart.png'}" in out.splitlines()  # the file written, not the name given
 
 
 def test_plan_as_is_predicts_the_configured_plan_only(tiny_config, tmp_path, planned):
