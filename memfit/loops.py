@@ -14,6 +14,7 @@ import torch
 
 from memfit.checkpoint import capture_rng_state, restore_rng_state
 from memfit.data.prefetch import prefetch
+from memfit.data.sampler import InfiniteSampler
 from memfit.dist import get_world_size
 from memfit.errors import ConfigError
 
@@ -51,6 +52,10 @@ class TrainLoop:
         self.iters_per_epoch = len(dataloader)
         if self.iters_per_epoch == 0:
             raise ConfigError("train_dataloader has no batches: check its dataset's size, batch_size and drop_last")
+        if by_epoch and isinstance(self.sampler, InfiniteSampler):  # MMEngine's epoch loop would run on forever
+            raise ConfigError("train_dataloader.sampler: an InfiniteSampler never ends an epoch: use DefaultSampler "
+                              "with train_cfg by_epoch=True, or train by iterations: train_cfg=dict(by_epoch=False, "
+                              "max_iters=N)")
         if by_epoch:
             self.max_epochs = int(max_epochs)
             self.max_iters = self.max_epochs * self.iters_per_epoch

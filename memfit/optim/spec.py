@@ -32,7 +32,19 @@ def check_clip_grad(value: Any, key: str = "optim_wrapper.clip_grad") -> dict | 
         raise ConfigError(f"{key}={value!r}: use dict(max_norm=..., norm_type=2)")
     if value.get("type", "norm") != "norm":
         raise ConfigError(f"{key}.type: only 'norm' clipping is supported")
+    # torch scales the gradients by max_norm / norm: a max_norm of 0 zeroes them, a negative one flips them
+    _positive_number(value["max_norm"], f"{key}.max_norm", "the largest gradient norm, e.g. max_norm=1.0")
+    if "norm_type" in value:
+        _positive_number(value["norm_type"], f"{key}.norm_type", "2 (L2), 1, or 'inf'")
     return {k: v for k, v in value.items() if k != "type"} or None
+
+
+def _positive_number(value: Any, key: str, what: str) -> None:
+    """Refuse ``value`` unless it is an int or float above 0 (``float('inf')``, or ``'inf'`` as torch takes it)."""
+    number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else (
+        float("inf") if value in ("inf", "Inf") else None)
+    if number is None or not number > 0:
+        raise type_or_value_error(f"{key}={value!r}: use a number above 0: {what}", number is None)
 
 
 def is_multi_optim_cfg(cfg: Any) -> bool:

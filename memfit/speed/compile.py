@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.errors import ConfigError
+from memfit.errors import ConfigError, did_you_mean
 from memfit.model.blocks import find_blocks
 
 logger = logging.getLogger("memfit")
@@ -55,7 +55,23 @@ def compile_options(spec: Any) -> dict[str, Any] | None:
     if not isinstance(regional, bool):
         raise ConfigError(f"compile.regional must be True (each repeated block) or False (the whole model), "
                           f"got {regional!r}")
+    _check_named(spec, "mode", _modes)
+    _check_named(spec, "backend", lambda: torch._dynamo.list_backends(exclude_tags=()))
     return {**spec, "regional": regional}
+
+
+def _modes() -> list[str]:
+    import torch._inductor
+
+    return list(torch._inductor.list_mode_options())
+
+
+def _check_named(spec: dict[str, Any], key: str, names: Any) -> None:
+    """A string ``spec[key]`` must be one of ``names()`` (torch.compile's modes or backends), else one line naming
+    them, before anything is built (torch says so at the first step; a backend may also be a callable)."""
+    value = spec.get(key)
+    if isinstance(value, str) and value not in (known := list(names())):
+        raise ConfigError(f"compile.{key}={value!r}: not one of torch.compile's {key}s: {did_you_mean(value, known)}")
 
 
 def _cpp_compilers() -> list[str]:
