@@ -307,6 +307,9 @@ SECTIONS: dict[str, type[Section]] = {
 }
 
 
+SWITCHES = ("optimizer_offload", "optimizer_in_backward")  # technique keys that are on or off, nothing else
+
+
 def validate_config(cfg: Mapping[str, Any]) -> None:
     """Check the top-level keys and every fixed-shape section that is present as a dict.
 
@@ -336,5 +339,7 @@ def _validate(cfg: Mapping[str, Any], prefix: str) -> None:
             from memfit.precision.master import precision_options
 
             precision_options(value)
+        elif key in SWITCHES and not isinstance(value, bool) and value is not None:  # 'yes' would read as on
+            raise ConfigTypeError(f"{prefix}{key} must be True or False, got {type(value).__name__} {value!r}")
         elif key == "cfg" and isinstance(value, Mapping) and not prefix:
             _validate(value, "cfg.")

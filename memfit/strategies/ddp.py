@@ -80,7 +80,11 @@ class DDPStrategy(Strategy):
                                **{sync_key: broadcast_buffers}, **ddp_kwargs)
         # Checked here, where the config is read, not when the model is wrapped.
         check_kwargs(DistributedDataParallel, {"module": None, **self.ddp_kwargs}, "DDPStrategy")
-        self.zero = bool(zero)
+        if not isinstance(zero, bool):  # zero=3 would have been ZeRO-1
+            raise ConfigError(f"strategy.zero={zero!r}: DDPStrategy's zero is True (ZeRO-1: optimizer state sharded) "
+                              "or False; for ZeRO-2/3 use FSDPStrategy (ZeRO-2: reshard_after_forward=False) or "
+                              "DeepSpeedStrategy's zero_optimization.stage")
+        self.zero = zero
         self.separate = separate
         self.ddp: DistributedDataParallel | None = None
         self.separate_ddps: dict[str, DistributedDataParallel] = {}

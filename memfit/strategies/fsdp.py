@@ -334,6 +334,9 @@ def _offload_flag(value: Any) -> bool:
         return bool(value)
     if isinstance(value, dict):
         return bool(value.get("offload_params", True))
+    if isinstance(value, (str, int, float)):  # 'yes' or 1 would read as on
+        raise ConfigError(f"strategy.cpu_offload={value!r}: use True or False (or dict(offload_params=True), "
+                          "FSDP's CPUOffload)")
     return bool(getattr(value, "offload_params", True))  # FSDP1 CPUOffload / FSDP2 CPUOffloadPolicy
 
 

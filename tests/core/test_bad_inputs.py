@@ -158,6 +158,13 @@ CASES = [
      ["compile.mode='max-autotun'", "did you mean 'max-autotune'"]),
     ("compile backend typo", dict(compile=dict(backend="indcutor")), ConfigError,
      ["compile.backend='indcutor'", "did you mean 'inductor'"]),
+    # switches that a truthy string or number would have turned on, or turned into something else
+    ("optimizer_offload 'yes'", dict(optimizer_offload="yes"), ConfigError,
+     ["optimizer_offload must be True or False, got str 'yes'"]),
+    ("DDP zero=3", dict(strategy=dict(type="DDPStrategy", zero=3)), ConfigError,
+     ["strategy.zero=3: DDPStrategy's zero is True (ZeRO-1", "for ZeRO-2/3 use FSDPStrategy"]),
+    ("FSDP cpu_offload 'maybe'", dict(strategy=dict(type="FSDPStrategy", cpu_offload="maybe")), ConfigError,
+     ["strategy.cpu_offload='maybe': use True or False"]),
     # an epoch-based loop over a sampler that never ends would never end an epoch
     ("InfiniteSampler by epoch", dict(train_dataloader=loader(sampler=dict(type="InfiniteSampler"))), ConfigError,
      ["train_dataloader.sampler: an InfiniteSampler never ends an epoch", "by_epoch=False"]),
