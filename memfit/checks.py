@@ -40,14 +40,15 @@ def dataset_classes(dataset: Any) -> tuple[int, str] | None:
 
 
 def check_classes(model: Any, **loaders: Any) -> None:
-    """A model that declares ``num_classes`` (memfit's classifiers) must have a logit for every class its
+    """A model that declares ``num_classes`` (memfit's classifiers and detectors) must have a logit for every class its
     datasets declare (``train_dataloader=loader, ...``). More outputs than classes is allowed."""
     outputs = getattr(model, "num_classes", None)
     if not isinstance(outputs, int) or isinstance(outputs, bool):
         return
+    where = getattr(model, "num_classes_key", "model.num_classes")  # a detector's may be its head's
     for key, loader in loaders.items():
         found = dataset_classes(getattr(loader, "dataset", None))
         if found is not None and found[0] > outputs:
-            raise ConfigError(f"model.num_classes={outputs} but {key}.dataset.{found[1]}: labels "
+            raise ConfigError(f"{where}={outputs} but {key}.dataset.{found[1]}: labels "
                               f"{outputs}..{found[0] - 1} would have no output (an out-of-bounds target at the first "
-                              f"step): set model.num_classes={found[0]}")
+                              f"step): set {where}={found[0]}")

@@ -89,6 +89,25 @@ def test_classes_come_from_num_classes_or_metainfo_and_more_outputs_are_allowed(
         check_classes(ImageClassifier(Timmish(2)), val_dataloader=loader)
 
 
+def test_a_detector_with_fewer_classes_than_its_dataset_names_its_own_key():
+    """MMDetection's num_classes (no background): torchvision's detectors on the model, DINO on its head; a label the
+    detector has no class for failed at the first step (an out-of-bounds index in the loss)."""
+    from memfit.registry import MODELS
+
+    loader = type("Loader", (), {"dataset": type("Coco", (), {"metainfo": {"classes": ("a", "b", "c", "d")}})()})()
+    fcos = MODELS.build(dict(type="FCOS", backbone=dict(model_name="resnet18"), num_classes=3, out_channels=32))
+    with pytest.raises(ConfigError, match=r"^model\.num_classes=3 but train_dataloader\.dataset\.metainfo\['classes'\] "
+                                          r"names 4 classes: .* set model\.num_classes=4$"):
+        check_classes(fcos, train_dataloader=loader)
+    dino_cfg = Config.fromfile(Path(__file__).parents[1] / "fixtures" / "detection" / "dino_tiny.py").to_dict()["model"]
+    dino = MODELS.build({**dino_cfg, "bbox_head": {**dino_cfg["bbox_head"], "num_classes": 2}}, key="model")
+    with pytest.raises(ConfigError, match=r"^model\.bbox_head\.num_classes=2 but .* set "
+                                          r"model\.bbox_head\.num_classes=4$"):
+        check_classes(dino, train_dataloader=loader)
+    check_classes(MODELS.build({**dino_cfg, "bbox_head": {**dino_cfg["bbox_head"], "num_classes": 80}}, key="model"),
+                  train_dataloader=loader)  # more classes than the data names: allowed
+
+
 @pytest.mark.parametrize("scale", [-1.0, 0, dict(init_scale=-8.0)])
 def test_a_loss_scale_out_of_range_with_bf16(scale):
     wrapper = dict(type="AmpOptimWrapper", dtype="bfloat16", loss_scale=scale, optimizer=dict(type="SGD", lr=0.1))

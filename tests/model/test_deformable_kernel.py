@@ -29,6 +29,13 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and no
                                 reason="tests/conftest.py sets TRITON_INTERPRET=1 where there is no GPU")
 
 
+@pytest.fixture(autouse=True)
+def _operator_registered():
+    """``memfit::ms_deform_attn`` registered, as the attention registers it at its first kernel call: some tests call
+    the operator itself, and must not depend on another test having run first in their process."""
+    from memfit.model.detection.dino import deform_op  # noqa: F401
+
+
 def _inputs(dtype=torch.float32, q=18, heads=2, d=3, points=2, seed=0):
     g = torch.Generator().manual_seed(seed)
     s = sum(h * w for h, w in SHAPES)

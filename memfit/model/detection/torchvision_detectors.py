@@ -61,8 +61,9 @@ class _TorchvisionDetector(BaseModel):
     _torchvision: type  # the torchvision class whose forward runs
     _background: int = 0  # Faster R-CNN's label 0 is the background: labels are shifted by 1
 
-    def _setup(self, data_preprocessor: Any, init_cfg: Any, size_divisor: int) -> None:
+    def _setup(self, data_preprocessor: Any, init_cfg: Any, size_divisor: int, num_classes: int) -> None:
         # torchvision's __init__ ran nn.Module's; BaseModel.__init__ would run it again through the MRO.
+        self.num_classes = num_classes  # MMDetection's count (no background): checked against the datasets' classes
         self.data_preprocessor = build_data_preprocessor(data_preprocessor)
         self.init_cfg = init_cfg
         self.transform = _PaddedBatch(1, 1, [0.0] * 3, [1.0] * 3, size_divisible=size_divisor)
@@ -131,7 +132,7 @@ class FasterRCNN(_TorchvisionDetector, tvdet.FasterRCNN):
         fpn = FPNBackbone(_body(backbone, (0, 1, 2, 3)), out_channels, extra="pool")
         kwargs.setdefault("rpn_anchor_generator", _anchors(anchor_sizes, (0.5, 1.0, 2.0), 1))
         tvdet.FasterRCNN.__init__(self, fpn, num_classes=num_classes + 1, **kwargs)
-        self._setup(data_preprocessor, init_cfg, size_divisor)
+        self._setup(data_preprocessor, init_cfg, size_divisor, num_classes)
 
 
 @MODELS.register()
@@ -147,7 +148,7 @@ class RetinaNet(_TorchvisionDetector, tvdet.RetinaNet):
         fpn = FPNBackbone(_body(backbone, (1, 2, 3)), out_channels, extra="p6p7")
         kwargs.setdefault("anchor_generator", _anchors(anchor_sizes, (0.5, 1.0, 2.0), 3))
         tvdet.RetinaNet.__init__(self, fpn, num_classes=num_classes, **kwargs)
-        self._setup(data_preprocessor, init_cfg, size_divisor)
+        self._setup(data_preprocessor, init_cfg, size_divisor, num_classes)
 
 
 @MODELS.register()
@@ -163,4 +164,4 @@ class FCOS(_TorchvisionDetector, tvdet.FCOS):
         fpn = FPNBackbone(_body(backbone, (1, 2, 3)), out_channels, extra="p6p7")
         kwargs.setdefault("anchor_generator", _anchors(anchor_sizes, (1.0,), 1))
         tvdet.FCOS.__init__(self, fpn, num_classes=num_classes, **kwargs)
-        self._setup(data_preprocessor, init_cfg, size_divisor)
+        self._setup(data_preprocessor, init_cfg, size_divisor, num_classes)

@@ -72,6 +72,12 @@ class DINO(BaseModel):
         self.memory_trans_norm = nn.LayerNorm(self.embed_dims)
         self.reset_parameters()
 
+    num_classes_key = "model.bbox_head.num_classes"  # where a config sets num_classes (memfit.checks.check_classes)
+
+    @property
+    def num_classes(self) -> int:
+        return self.bbox_head.num_classes
+
     def _check_levels(self, neck: Any) -> None:
         levels = {"model.num_feature_levels": self.num_feature_levels,
                   "model.encoder.layer_cfg.self_attn_cfg.num_levels": self.encoder.layers[0].self_attn.num_levels,
