@@ -285,6 +285,9 @@ class Runner(RunnerCheckpoints, RunnerHooks):
                                     max_iters=tc.max_iters, val_interval=tc.val_interval, val_begin=tc.val_begin)
         self.val_loop = self._build_eval_loop(self._val_dataloader_cfg, self._val_evaluator_cfg, self._val_cfg, "val")
         check_classes(self.model, train_dataloader=self.train_dataloader, val_dataloader=self.val_dataloader)
+        for hook in self._hooks:  # what a hook can check once the loops exist, before anything is written
+            if hasattr(hook, "check_loops"):
+                hook.check_loops(self)
         if isinstance(self.model, BaseModel) and not (self._prepared or getattr(self.strategy, "skip_init_weights", 0)):
             self.model.init_weights()  # init_cfg (e.g. Pretrained); load_from / resume load over it
         self._prepare(with_optimizer=True)

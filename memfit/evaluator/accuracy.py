@@ -37,6 +37,9 @@ class Accuracy(BaseMetric):
             {"n": int(labels.numel()), **{f"top{t}": int(hits[:, : min(t, k)].any(-1).sum()) for t in self.topk}}
         )
 
+    def result_names(self) -> list[str]:
+        return [f"top{t}" for t in self.topk]
+
     def compute_metrics(self, results: list) -> dict[str, float]:
         n = sum(r["n"] for r in results)
         return {f"top{t}": 100.0 * sum(r[f"top{t}"] for r in results) / max(n, 1) for t in self.topk}

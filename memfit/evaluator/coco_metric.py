@@ -107,6 +107,12 @@ class CocoMetric(BaseMetric):
                 result["gt"] = _original_gt(source, sample["ori_shape"])
             self.results.append(result)
 
+    def result_names(self) -> list[str] | None:
+        """The box metrics' names (per-class precisions and proposal recalls depend on the data: None)."""
+        if self.format_only or self.classwise or "proposal" in self.metrics:
+            return None
+        return [f"bbox_{item}" for item in self.metric_items or _AP_ITEMS]
+
     def compute_metrics(self, results: list) -> dict[str, float]:
         logger = logging.getLogger(LOGGER_NAME)
         by_img = {r["img_id"]: r for r in results}  # an image processed twice counts once

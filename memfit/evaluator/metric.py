@@ -31,6 +31,16 @@ class BaseMetric:
     def compute_metrics(self, results: list) -> dict[str, Any]:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def result_names(self) -> list[str] | None:
+        """The names ``compute_metrics`` returns, where the configuration alone says (None: unknown before
+        evaluating): a checkpoint's ``save_best`` is checked against them before training."""
+        return None
+
+    def metric_names(self) -> list[str] | None:
+        """:meth:`result_names` as :meth:`evaluate` returns them (with the prefix), or None."""
+        names = self.result_names()
+        return None if names is None else [f"{self.prefix}/{n}" if self.prefix else n for n in names]
+
     def evaluate(self, size: int | None = None) -> dict[str, Any]:
         """Gather results from all ranks, interleaved back into sample order.
 
@@ -69,6 +79,16 @@ class Evaluator:
     @property
     def dataset_meta(self) -> dict | None:
         return self.metrics[0].dataset_meta if self.metrics else None
+
+    def metric_names(self) -> list[str] | None:
+        """Every metric's names (:meth:`BaseMetric.metric_names`), or None where one of them cannot say."""
+        names: list[str] = []
+        for m in self.metrics:
+            known = m.metric_names() if hasattr(m, "metric_names") else None
+            if known is None:
+                return None
+            names += known
+        return names
 
     @dataset_meta.setter
     def dataset_meta(self, meta: dict | None) -> None:

@@ -274,6 +274,16 @@ class CheckpointHook(Hook):
                     _remove(old)
             runner.logger.info(f"The best checkpoint with {score:.4f} {metric} at {n} {unit} is saved to {path.name}")
 
+    def check_loops(self, runner: Any) -> None:
+        """``save_best`` names a metric the validation returns, where its evaluator says which before it runs (an
+        unknown name would stop the run at its first validation, after an epoch of training); the Runner calls it
+        once its loops are built."""
+        evaluator = getattr(getattr(runner, "val_loop", None), "evaluator", None)
+        names = evaluator.metric_names() if self.save_best and hasattr(evaluator, "metric_names") else None
+        for key in self.key_indicators if names else ():
+            if key != "auto":
+                self._metric_key(key, dict.fromkeys(names))
+
     def _metric_key(self, key: str, metrics: dict) -> str:
         if key in metrics:
             return key

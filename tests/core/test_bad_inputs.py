@@ -168,6 +168,10 @@ CASES = [
     # an epoch-based loop over a sampler that never ends would never end an epoch
     ("InfiniteSampler by epoch", dict(train_dataloader=loader(sampler=dict(type="InfiniteSampler"))), ConfigError,
      ["train_dataloader.sampler: an InfiniteSampler never ends an epoch", "by_epoch=False"]),
+    # a best checkpoint of a metric the validation does not return stopped the run at its first validation
+    ("save_best not a metric", dict(**VAL, val_evaluator=dict(type="Accuracy", topk=(1, 2)),
+                                    default_hooks=hooks(checkpoint=dict(type="CheckpointHook", save_best="acc"))),
+     ConfigError, ["default_hooks.checkpoint.save_best='acc' is not a metric", "accuracy/top1, accuracy/top2"]),
     ("topk 0", dict(**VAL, val_evaluator=dict(type="Accuracy", topk=0)), ConfigError,
      ["val_evaluator: topk=0", "use a positive int"]),
     ("model negative width", dict(model=dict(type=Tiny, width=-3)), ConfigError,

@@ -307,3 +307,13 @@ def test_errors(tmp_path):
         _run([{**outputs[0], "pred_instances": one_box}], meta={"classes": ("cat", "dog")}, ann_file=str(ann))
     with pytest.raises(ConfigError, match="ann_file=None.*metainfo"):
         _run(outputs, data_batches=[{"data_samples": [{}, {}]}])
+
+
+def test_the_box_metrics_names_are_known_before_evaluating():
+    """What a checkpoint's save_best is checked against before training: MMDetection's keys under the prefix; none
+    where they depend on the data (per-class precisions, proposal recalls) or nothing is computed."""
+    assert CocoMetric(ann_file=None).metric_names() == [f"coco/bbox_{k}" for k in
+                                                        ("mAP", "mAP_50", "mAP_75", "mAP_s", "mAP_m", "mAP_l")]
+    assert CocoMetric(ann_file=None, metric_items=["mAP_50"], prefix="val").metric_names() == ["val/bbox_mAP_50"]
+    assert CocoMetric(ann_file=None, classwise=True).metric_names() is None
+    assert CocoMetric(ann_file=None, metric="proposal").metric_names() is None
