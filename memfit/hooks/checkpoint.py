@@ -280,6 +280,10 @@ class CheckpointHook(Hook):
         once its loops are built."""
         evaluator = getattr(getattr(runner, "val_loop", None), "evaluator", None)
         names = evaluator.metric_names() if self.save_best and hasattr(evaluator, "metric_names") else None
+        # A hook of the user's may add to the metrics it is given after validating (MMEngine passes the same dict).
+        if any(getattr(type(h), "after_val_epoch", Hook.after_val_epoch) is not Hook.after_val_epoch
+               and not type(h).__module__.startswith("memfit.hooks.") for h in runner.hooks):
+            return
         for key in self.key_indicators if names else ():
             if key != "auto":
                 self._metric_key(key, dict.fromkeys(names))
