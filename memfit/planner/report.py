@@ -14,8 +14,11 @@ from memfit.planner.time_profile import describe
 
 
 def size(n: float) -> str:
-    """Bytes in binary units, as GPU memory is counted: '24.00 GiB', or '412.0 MiB' under 1 GiB."""
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
+    """Bytes in binary units, as GPU memory is counted: '24.00 GiB', '412.0 MiB' under 1 GiB, '12.0 KiB' under
+    0.1 MiB (a tiny budget is not '0.0 MiB')."""
+    if n >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / MiB:.1f} MiB" if n >= MiB / 10 else f"{n / 1024:.1f} KiB"
 
 
 EAGER_MARK = " (eager)"  # a compiled plan's peak: its eager plan's

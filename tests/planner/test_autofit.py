@@ -102,7 +102,7 @@ def test_nothing_fits_is_one_line_naming_the_closest_plan(trained, tiny_config, 
     code = main(["train", str(tiny_config(tmp_path)), "--auto-fit", "100KiB"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
-    assert err[0].startswith("memfit: error: ") and "auto_fit: no plan fits 0.1 MiB per rank" in err[0], err[0]
+    assert err[0].startswith("memfit: error: ") and "auto_fit: no plan fits 100.0 KiB per rank" in err[0], err[0]
     # The closest plan by name and peak (plans of equal peak may swap places: any of them will do).
     found = re.search(r"the smallest is '([^']+)' at ([0-9.]+) MiB", err[0])
     assert found, err[0]

@@ -70,6 +70,8 @@ def test_a_size_without_a_unit_is_refused_naming_the_units(value, message):
 
 def test_sizes_print_in_binary_units():
     assert size(24 * GiB) == "24.00 GiB" and size(24 * 10**9) == "22.35 GiB" and size(412 * MiB) == "412.0 MiB"
+    # a tiny budget is not "0.0 MiB"
+    assert size(MiB // 10) == "102.4 KiB" and size(MiB // 5) == "0.2 MiB" and size(1024) == "1.0 KiB"
     pred = _prediction(FRONT + OTHERS, 24)
     assert verdict(pred) == ("recommended (8 x 4090, budget 24.00 GiB per rank): bf16 zero1 mb32x1, peak 10.40 GiB, "
                              "0.90x the configured step time")
@@ -152,5 +154,6 @@ def test_the_configured_plan_alone_over_the_budget_exits_3(tiny_config, tmp_path
         code = main(["plan", str(tiny_config(tmp_path)), "--device", "cpu", "--as-is", "--budget", "100KiB"])
     assert code == 3, err.getvalue()
     line, = err.getvalue().splitlines()
-    assert line.startswith("memfit: the configured plan does not fit (1 x cpu (") and "budget 0.1 MiB per rank" in line
+    assert line.startswith("memfit: the configured plan does not fit (1 x cpu (")
+    assert "budget 100.0 KiB per rank" in line
     assert "no chart: one plan has nothing to compare" in out.getvalue()
