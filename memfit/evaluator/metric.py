@@ -80,6 +80,12 @@ class Evaluator:
     def dataset_meta(self) -> dict | None:
         return self.metrics[0].dataset_meta if self.metrics else None
 
+    @dataset_meta.setter
+    def dataset_meta(self, meta: dict | None) -> None:
+        """Give every metric the dataset's ``metainfo`` (class names for COCO's category ids)."""
+        for m in self.metrics:
+            m.dataset_meta = meta
+
     def metric_names(self) -> list[str] | None:
         """Every metric's names (:meth:`BaseMetric.metric_names`), or None where one of them cannot say."""
         names: list[str] = []
@@ -89,12 +95,6 @@ class Evaluator:
                 return None
             names += known
         return names
-
-    @dataset_meta.setter
-    def dataset_meta(self, meta: dict | None) -> None:
-        """Give every metric the dataset's ``metainfo`` (class names for COCO's category ids)."""
-        for m in self.metrics:
-            m.dataset_meta = meta
 
     def process(self, data_samples: Any, data_batch: Any = None) -> None:
         world = get_world_size()
