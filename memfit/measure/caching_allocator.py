@@ -38,7 +38,8 @@ STRAY_BLOCKS = (2 * 2**20, 6 * 2**20)
 _BESIDE_STRAYS: dict[Hashable, int] = {}  # reserved_beside_strays' figures by their calls' sizes and order
 
 
-_ADDR_BITS = 44  # a free block's place in its pool: size << _ADDR_BITS | address (16 TiB of addresses)
+_ADDR_BITS = 64  # a free block's place in its pool: size << _ADDR_BITS | address (any 64-bit address: a trace's CUDA
+# addresses take 47 bits)
 
 
 class _Pool:

@@ -141,6 +141,14 @@ def test_of_equal_free_blocks_the_lowest_address_is_taken():
     a.free("low")
     a.malloc("x", 12 * MiB)
     assert a.address("x") == 100 * MiB and a.address("high") is None
+    c = CachingAllocatorModel()  # a GPU's 47-bit addresses: the smaller block fits best, wherever it lies
+    for key, addr, n in (("big low", 2**47, 24 * MiB), ("small high", 2**48 - 64 * MiB, 22 * MiB)):
+        c.next_segment_at(addr)
+        c.malloc(key, n)
+    c.free("big low")
+    c.free("small high")
+    c.malloc("x", 21 * MiB)
+    assert c.address("x") == 2**48 - 64 * MiB
     b = CachingAllocatorModel()  # the model's own addresses: each segment above the ones before
     for key in ("first", "second"):
         b.malloc(key, 12 * MiB)
