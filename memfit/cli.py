@@ -56,7 +56,7 @@ def _load_cfg(args: argparse.Namespace) -> Any:
 def _train(args: argparse.Namespace) -> int:
     from memfit.runner import Runner
 
-    if args.gpus and "RANK" not in os.environ:  # --gpus N: hand over to torchrun, which calls us back
+    if args.gpus is not None and "RANK" not in os.environ:  # --gpus N: hand over to torchrun, which calls us back
         from memfit.launch import spawn
 
         return spawn(args.argv, args.gpus, nnodes=args.nnodes, node_rank=args.node_rank,

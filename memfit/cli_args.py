@@ -1,5 +1,5 @@
-"""The command line's own values, checked before any work starts: counts that must be positive, a TCP port, and the
-files a command writes (not a folder; in a folder that exists or can be made, and that takes a new file). Each is
+"""The command line's own values, checked before any work starts: counts that must be positive and the files a
+command writes (not a folder; in a folder that exists or can be made, and that takes a new file). Each is
 refused in one line naming the flag and what it takes (:class:`memfit.errors.ConfigError`: exit status 2), not
 after minutes of planning or measuring, nor as a bare Python error."""
 
@@ -11,10 +11,8 @@ from pathlib import Path
 
 from memfit.errors import ConfigError
 
-# (command, option): (flag, what it counts, least value)
+# (command, option): (flag, what it counts, least value); train's launch flags are memfit.launch's to check
 COUNTS = {
-    ("train", "gpus"): ("--gpus", "processes per machine", 1),
-    ("train", "nnodes"): ("--nnodes", "machines", 1),
     ("plan", "gpus"): ("--gpus", "ranks per machine", 1),
     ("plan", "nodes"): ("--nodes", "machines", 1),
     ("plan", "top"): ("--top", "rows to print", 1),
@@ -38,9 +36,6 @@ def check_args(args: argparse.Namespace) -> None:
         value = getattr(args, dest, None)
         if command == args.command and value is not None and value < least:
             raise ConfigError(f"{flag} {value}: give the number of {what} (at least {least})")
-    port = getattr(args, "master_port", None)
-    if args.command == "train" and port is not None and not 0 < port < 65536:
-        raise ConfigError(f"--master-port {port}: give a free TCP port of node 0, 1 to 65535 (default 29500)")
     for (command, dest), (flag, example, suffixes) in OUTPUTS.items():
         if command == args.command and getattr(args, dest, None):
             check_output(flag, getattr(args, dest), example, suffixes)

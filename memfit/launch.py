@@ -43,10 +43,14 @@ def torchrun_command(train_argv: list[str], nproc: int, nnodes: int = 1, node_ra
     node may start first, no node ranks needed); otherwise node ``node_rank`` of ``nnodes`` connects
     to ``master_addr:master_port``, which node 0 serves.
     """
-    if nproc < 1:
-        raise ConfigError(f"--gpus {nproc}: give the number of processes per machine (>= 1)")
-    if nnodes < 1 or not 0 <= node_rank < nnodes:
+    if nproc < 1:  # memfit train --gpus 0 would otherwise train in this one process
+        raise ConfigError(f"--gpus {nproc}: give the number of processes per machine (at least 1)")
+    if nnodes < 1:
+        raise ConfigError(f"--nnodes {nnodes}: give the number of machines (at least 1)")
+    if not 0 <= node_rank < nnodes:
         raise ConfigError(f"--nnodes {nnodes} --node-rank {node_rank}: node rank must be in [0, nnodes)")
+    if not 0 < master_port < 65536:  # torchrun's own error is a traceback
+        raise ConfigError(f"--master-port {master_port}: give a free TCP port of node 0, 1 to 65535 (default 29500)")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}"]
     if rdzv_endpoint:
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
