@@ -17,7 +17,7 @@ import torch
 
 from memfit import dist
 from memfit.errors import ConfigError, ConfigTypeError, type_or_value_error
-from memfit.hooks.base import Hook, check_local_storage, save_waits
+from memfit.hooks.base import Hook, _overridden, check_local_storage, save_waits
 from memfit.hooks.checkpoint_options import _WHERE, rule_list, save_best_list, str_list
 from memfit.registry import HOOKS
 
@@ -281,10 +281,10 @@ class CheckpointHook(Hook):
         evaluator = getattr(getattr(runner, "val_loop", None), "evaluator", None)
         names = evaluator.metric_names() if self.save_best and hasattr(evaluator, "metric_names") else None
         # A hook of the user's may add to the metrics it is given after validating (MMEngine passes the same dict).
-        if any(getattr(type(h), "after_val_epoch", Hook.after_val_epoch) is not Hook.after_val_epoch
-               and not type(h).__module__.startswith("memfit.hooks.") for h in runner.hooks):
+        if not names or any(_overridden(h, "after_val_epoch") and not type(h).__module__.startswith("memfit.hooks.")
+                            for h in runner.hooks):
             return
-        for key in self.key_indicators if names else ():
+        for key in self.key_indicators:
             if key != "auto":
                 self._metric_key(key, dict.fromkeys(names))
 
