@@ -165,8 +165,7 @@ class CachingAllocatorModel:
         self.trace.append((key, nbytes))
         size = -(-nbytes // MIN_BLOCK) * MIN_BLOCK  # round_size's, inlined: the planner's hottest call
         small = size <= SMALL_SIZE
-        pools = self._pools.get(stream)
-        pool = (pools or self._new_pools(stream))[small]
+        pool = (self._pools.get(stream) or self._new_pools(stream))[small]  # _pool's, inlined
         keys = pool.keys
         i = bisect_left(keys, size << _ADDR_BITS)
         if i < len(keys):
@@ -208,7 +207,7 @@ class CachingAllocatorModel:
         self._insert_free(block)
 
     def _new_pools(self, stream: Hashable) -> tuple[_Pool, _Pool]:
-        pools = self._pools[stream] = (_Pool(), _Pool())
+        self._pools[stream] = pools = (_Pool(), _Pool())
         return pools
 
     def _pool(self, stream: Hashable, small: bool) -> _Pool:
