@@ -20,7 +20,7 @@ from typing import Any
 import torch  # loaded with the memfit package anyway; --version names it
 
 from memfit._version import __version__
-from memfit.cli_args import check_args
+from memfit.cli_args import check_args, check_output
 from memfit.errors import (
     PREEMPTED_EXIT_CODE,
     CheckpointError,
@@ -110,17 +110,25 @@ def _planner_cfg(args: argparse.Namespace) -> dict:
 def _plan(args: argparse.Namespace) -> int:
     from memfit.planner.commands import plan_command
 
-    return plan_command(args, _planner_cfg(args))
+    cfg = _planner_cfg(args)
+    if not args.png:
+        check_output("--work-dir", Path(cfg["work_dir"]) / "plan.png", "plan.png")  # where the chart goes
+    return plan_command(args, cfg)
 
 
 def _bench(args: argparse.Namespace) -> int:
     from memfit.planner.commands import bench_command, calibrate_command
 
     if args.calibrate:
+        if args.out:
+            check_output("--out", args.out, "calibration.json")
         return calibrate_command(args)
     if not args.config:
         raise ConfigError("bench needs a CONFIG (or --calibrate, which measures this GPU's step-time profile)")
-    return bench_command(args, _planner_cfg(args))
+    cfg = _planner_cfg(args)
+    check_output("--out" if args.out else "--work-dir", Path(args.out or Path(cfg["work_dir"]) / "bench").with_suffix(
+        ".csv"), "bench")  # its table and chart
+    return bench_command(args, cfg)
 
 
 def _eval(args: argparse.Namespace) -> int:

@@ -20,10 +20,10 @@ COUNTS = {
     ("data", "num"): ("--num", "images", 1),
     ("data", "max_shapes"): ("--max-shapes", "most shapes in an image", 1),
 }
-# (command, option): (flag, an example file name in a folder given instead, suffixes it may have; () any); the chart
-# and bench's outputs are checked where memfit.planner.commands names their paths
+# (command, option): (flag, an example file name in a folder given instead, suffixes it may have; () any)
 OUTPUTS = {
     ("plan", "json"): ("--json", "plan.json", ()),
+    ("plan", "png"): ("--png", "plan.png", "chart"),
     ("bench", "json"): ("--json", "bench.json", ()),
     ("export", "out"): ("--out", "model.safetensors", ()),
     ("convert", "out"): ("--out", "config.py", (".py", ".yaml", ".yml")),

@@ -7,7 +7,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from memfit.cli_args import check_output
 from memfit.errors import ConfigError
 from memfit.planner.devices import Device, GiB, custom_gpu, gpu, parse_bytes, this_cpu
 from memfit.planner.space import LEVER_WORDS, OFFLOADS, PRECISIONS, SHARDINGS, Plan
@@ -43,8 +42,6 @@ def plan_command(args: Any, cfg: dict) -> int:
     from memfit.planner.predict import predict
     from memfit.planner.report import footer, plan_table, verdict, write_json
 
-    chart = args.png or Path(cfg["work_dir"]) / "plan.png"
-    check_output("--png" if args.png else "--work-dir", chart, "plan.png", "chart")  # before the work, not after
     device = _device(args)
     budget = parse_bytes(args.budget) if args.budget else None
     world = args.gpus * args.nodes
@@ -62,7 +59,7 @@ def plan_command(args: Any, cfg: dict) -> int:
     print(f"planned for {pred.input.describe()}")
     print(f"planned in {pred.seconds:.1f} s ({pred.fake_steps} fake steps); peak = "
           + ("reserved + CUDA context + NCCL buffers (see docs/planner.md)" if device.cuda else "live tensor bytes"))
-    png = write_png(pred, chart)
+    png = write_png(pred, args.png or Path(cfg["work_dir"]) / "plan.png")
     print(f"wrote {png}" if png else "no chart: one plan has nothing to compare (leave out --as-is to chart every "
           "plan)")
     if args.json:
@@ -141,8 +138,6 @@ def bench_command(args: Any, cfg: dict) -> int:
     from memfit.planner.space import ModelFacts, configured_plan
     from memfit.planner.step_profile import paced_by
 
-    out = Path(args.out or Path(cfg["work_dir"]) / "bench")  # its table and chart: .csv and .png
-    check_output("--out" if args.out else "--work-dir", out.with_suffix(".csv"), "bench")
     device = _device(args)
     facts = ModelFacts.of(build_meta_model(cfg["model"]))
     configured = configured_plan(cfg, facts, device.cuda)
@@ -175,6 +170,7 @@ def bench_command(args: Any, cfg: dict) -> int:
     print("|" + "---|" * len(rows[0]))
     for row in rows:
         print("| " + " | ".join(str(v) for v in row.values()) + " |")
+    out = Path(args.out or Path(cfg["work_dir"]) / "bench")
     print(f"wrote {write_csv(rows, out.with_suffix('.csv'))}")
     print(f"wrote {_bench_png(rows, out.with_suffix('.png'))}")
     if args.json:
@@ -227,8 +223,6 @@ def calibrate_command(args: Any) -> int:
     if args.device != "cpu" and not torch.cuda.is_available():
         raise ConfigError("--calibrate: no CUDA GPU here; run it on the GPU to profile (--device cpu measures this "
                           "CPU, for testing)")
-    out = Path(args.out or Path(args.work_dir or "work_dirs") / "calibration.json")
-    check_output("--out" if args.out else "--work-dir", out, "calibration.json")
     where = "cpu" if args.device == "cpu" else "cuda"
     log = (lambda msg: print(f"calibrating: {msg}", file=sys.stderr)) if sys.stderr.isatty() else None
     data = calibrate(where, log=log)
@@ -244,6 +238,7 @@ def calibrate_command(args: Any) -> int:
         for name, v in (value.items() if isinstance(value, dict) else [(None, value)]):
             before = now.get(key, {}).get(name) if name else now.get(key)
             print(f"| {key}{' ' + name if name else ''} | {_num(v)} | {_num(before)} |")
+    out = Path(args.out or Path(args.work_dir or "work_dirs") / "calibration.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {out}")
