@@ -2,6 +2,7 @@
 leaves its rows to this one."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -39,9 +40,17 @@ def test_rows_composed_in_two_processes_equal_those_composed_in_one(planned, mon
     pids = tmp_path / "pids"
     row = compose_all._row
 
+    parent, waited = os.getpid(), []
+
     def logged(compose, plan):
         with open(pids, "a") as f:
             f.write(f"{os.getpid()}:{torch.get_num_threads()}\n")
+        if os.getpid() == parent and not waited:  # the forked process takes the next group while this one waits
+            waited.append(True)  # (a CPU target's rows compose faster than a fork starts: this process took them all)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and all(line.startswith(f"{parent}:")
+                                                      for line in pids.read_text().split()):
+                time.sleep(0.01)
         return row(compose, plan)
 
     monkeypatch.setattr(compose_all, "_row", logged)
