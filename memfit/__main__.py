@@ -1,7 +1,6 @@
 """``python -m memfit ...`` (also what torchrun starts: ``torchrun ... -m memfit train CFG``)."""
 
-import sys
-
 from memfit.cli import main
+from memfit.dist import exit_process
 
-sys.exit(main())
+exit_process(main())

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import os
-from typing import Any
+import sys
+import threading
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -71,7 +74,12 @@ def init_process_group(launcher: str, backend: str | None = None, timeout_s: int
     _destroy_at_exit_once()
 
 
+_joined = False  # this process joined a process group through memfit
+
+
 def _destroy_at_exit_once() -> None:
+    global _joined
+    _joined = True
     atexit.unregister(_destroy_at_exit)
     atexit.register(_destroy_at_exit)
 
@@ -83,6 +91,33 @@ def _destroy_at_exit() -> None:
     at the end of every trainer process."""
     if is_distributed():
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the process with ``code``; one that joined a process group ends without the interpreter's
+    finalization.
+
+    destroy_process_group does not join gloo's worker threads while anything still holds the group, and
+    a worker that drops a finished collective's tensors needs the GIL: under Python < 3.14 one that asks for
+    it once finalization has begun is ended by pthread_exit inside a C++ destructor, which aborts the process
+    (SIGABRT, "terminate called without an active exception") after training finished, when the machine is
+    busy. So everything finalization would do that matters is done here, while the interpreter is whole:
+    other threads joined, atexit handlers run (the group destroyed, logs flushed), unreachable objects
+    collected (open files closed), standard streams flushed; then ``os._exit``.
+    """
+    if not (_joined or is_distributed()):
+        sys.exit(code)
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    gc.collect()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone: nothing left to lose
+            pass
+    os._exit(code)
 
 
 def resolve_launcher(launcher: str | None) -> str:

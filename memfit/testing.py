@@ -93,7 +93,9 @@ def fork_script(script, args, out_path, err_path, **environ):
     except BaseException:
         traceback.print_exc()
         code = 1
-    raise SystemExit(code)  # the interpreter's normal exit (atexit handlers)
+    from memfit.dist import exit_process
+
+    exit_process(code)  # the interpreter's exit (atexit handlers), without its finalization once a group was joined
 """
 
 # launch()'s parent: fork the ranks, wait; a failed rank stops the rest. Prints the status.
