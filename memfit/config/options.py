@@ -56,7 +56,7 @@ def _parse(text: str) -> Any:
     if not text:
         return ""
     try:
-        value = _literal(ast.parse(text, mode="eval").body)
+        value = _literal(ast.parse(text, mode="eval").body, text)
     except (SyntaxError, ValueError):
         pass
     else:
@@ -72,12 +72,16 @@ def _parse(text: str) -> Any:
     parts = _split(text)
     if len(parts) > 1:
         return [_parse(part) for part in parts]
-    return text
+    return _number(text)  # e.g. 007, which Python does not read but int() does
 
 
-def _literal(node: ast.expr) -> Any:
-    """``ast.literal_eval`` plus bare words as strings, true/false/none and ``dict(key=value)``."""
+def _literal(node: ast.expr, source: str) -> Any:
+    """``ast.literal_eval`` plus bare words as strings, true/false/none and ``dict(key=value)``; numbers
+    only as MMEngine's ``DictAction`` reads them (``int()``/``float()``: ``0x10``, ``0o7``, ``1j`` stay strings,
+    so a shape such as ``0x0`` is not read as the hexadecimal 0)."""
     if isinstance(node, ast.Constant):
+        if isinstance(node.value, (int, float, complex)) and not isinstance(node.value, bool):
+            return _number(ast.get_source_segment(source, node) or "")
         return node.value
     if isinstance(node, ast.Name):
         return _WORDS.get(node.id.lower(), node.id)
@@ -86,15 +90,15 @@ def _literal(node: ast.expr) -> Any:
             return ast.unparse(node)
         return _fail()
     if isinstance(node, ast.List):
-        return [_literal(e) for e in node.elts]
+        return [_literal(e, source) for e in node.elts]
     if isinstance(node, ast.Tuple):
-        return tuple(_literal(e) for e in node.elts)
+        return tuple(_literal(e, source) for e in node.elts)
     if isinstance(node, ast.Dict):
         if any(k is None for k in node.keys):
             _fail()
-        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}  # type: ignore[arg-type]
+        return {_literal(k, source): _literal(v, source) for k, v in zip(node.keys, node.values)}  # type: ignore[arg-type]
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        operand = _literal(node.operand)
+        operand = _literal(node.operand, source)
         if isinstance(operand, (int, float)) and not isinstance(operand, bool):
             return -operand if isinstance(node.op, ast.USub) else operand
     if (
@@ -104,8 +108,17 @@ def _literal(node: ast.expr) -> Any:
         and not node.args
         and all(kw.arg is not None for kw in node.keywords)
     ):
-        return {kw.arg: _literal(kw.value) for kw in node.keywords}
+        return {kw.arg: _literal(kw.value, source) for kw in node.keywords}
     return _fail()
+
+
+def _number(spelling: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(spelling)
+        except ValueError:
+            pass
+    return spelling
 
 
 def _fail() -> Any:

@@ -47,6 +47,14 @@ from memfit.errors import ConfigError
         ("./work_dirs/run-1", "./work_dirs/run-1"),
         ("", ""),
         ("a=b", "a=b"),
+        # Numbers as MMEngine's DictAction reads them (int(), float()): no hexadecimal, octal or complex.
+        ("0x0", "0x0"),  # an HxW shape, not the hexadecimal 0
+        ("0x10", "0x10"),
+        ("[1, 0x2]", [1, "0x2"]),
+        ("0b1", "0b1"),
+        ("1j", "1j"),
+        ("1_000", 1000),
+        ("007", 7),
     ],
 )
 def test_value_table(text, expected):
