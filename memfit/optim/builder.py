@@ -242,6 +242,8 @@ def _with_key(exc: ConfigError, cfg: dict, key: str) -> ConfigError:
     default = _default(target, name)
     if isinstance(exc, TypeError) and isinstance(default, int | float) and not isinstance(default, bool):
         message += f": use a number (the default is {default!r})"
+    elif isinstance(default, tuple) and not (isinstance(args[name], list | tuple) and len(args[name]) == len(default)):
+        message += f": give {len(default)} values, as the default {default!r}"  # e.g. betas=[0.9]: an IndexError
     return type(exc)(message)
 
 

@@ -147,6 +147,13 @@ def test_an_optimizer_range_error_names_the_key():
     assert msg == "optim_wrapper.optimizer.betas=(0.9, 1.5): invalid beta parameter at index 1: 1.5 (AdamW)"
 
 
+@pytest.mark.parametrize("betas", [[0.9], 0.9])
+def test_too_few_betas_name_how_many(betas):
+    msg = refused(config(optim_wrapper=dict(optimizer=dict(type="AdamW", lr=1e-3, betas=betas))))
+    assert msg.startswith(f"optim_wrapper.optimizer.betas={betas!r}: ")
+    assert msg.endswith("(AdamW): give 2 values, as the default (0.9, 0.999)")
+
+
 def test_each_optimizer_of_several_is_named_by_its_own_key():
     from memfit.optim.builder import build_optim_wrapper
 
