@@ -51,6 +51,11 @@ class CocoDataset(Dataset):
     ``max_refetch`` times.
     """
 
+    # MMEngine's Runner batches with pseudo_collate when a config names no collate_fn, and MMDetection's
+    # configs name none: its images differ in size and each carries its own boxes, which default_collate
+    # cannot stack (memfit.data.loader reads this when a config leaves collate_fn out).
+    default_collate_fn = "pseudo_collate"
+
     def __init__(
         self,
         ann_file: str = "",
@@ -80,6 +85,7 @@ class CocoDataset(Dataset):
                               f"{_missing_hint(self.ann_file)}")
         self._load(metainfo or {}, filter_cfg)
         self.pipeline = build_det_pipeline(list(pipeline), "pipeline")
+        self.pipeline.check_image_loaded("pipeline")
         if len(self) and not os.path.isfile(self._path(0)):
             raise ConfigError(f"CocoDataset: image {self._path(0)!r} (of {self.ann_file}) does not exist: "
                               f"check data_root and data_prefix.img")

@@ -36,6 +36,8 @@ class Resize:
     it maps the last resize back to the loaded image (MMCV stores only the last resize's factor; the
     two agree for one Resize, as in test pipelines). Images are resized with antialiasing."""
 
+    image_use = "reads"
+
     def __init__(self, scale: int | Sequence[int] | None = None, scale_factor: float | Sequence[float] | None = None,
                  keep_ratio: bool = False, clip_object_border: bool = True, backend: str = "cv2",
                  interpolation: str = "bilinear") -> None:
@@ -98,6 +100,8 @@ class Resize:
 class RandomChoiceResize:
     """MMCV's RandomChoiceResize: Resize to one of ``scales`` drawn uniformly (``scale_idx`` records it)."""
 
+    image_use = "reads"
+
     def __init__(self, scales: Sequence[int | Sequence[int]], resize_type: str = "Resize",
                  **resize_kwargs: Any) -> None:
         # MMCV: a list of scales, or one scale; a tuple of (w, h) pairs is read as a list too
@@ -127,6 +131,8 @@ class RandomResize:
     """MMCV's RandomResize: Resize to a scale drawn per image. ``scale=(w, h)`` with ``ratio_range=(lo, hi)``:
     ``(int(w * r), int(h * r))`` with ``r`` uniform in ``[lo, hi)``; ``scale=[(w0, h0), (w1, h1)]``: each edge an
     integer uniform between the two. ``resize_kwargs`` (``keep_ratio``, ...) go to ``resize_type``."""
+
+    image_use = "reads"
 
     def __init__(self, scale: Sequence[int] | Sequence[Sequence[int]], ratio_range: Sequence[float] | None = None,
                  resize_type: str = "Resize", **resize_kwargs: Any) -> None:
@@ -202,6 +208,8 @@ class Pad:
     """MMDetection's Pad: pad the image at the bottom/right to ``size`` (w, h), to a multiple of ``size_divisor``,
     or to a square (``pad_to_square``, then to the divisor if given); never crops. Sets ``img_shape`` and
     ``pad_shape`` to the padded size as MMCV does; boxes keep their pixels."""
+
+    image_use = "reads"
 
     def __init__(self, size: Sequence[int] | None = None, size_divisor: int | None = None, pad_to_square: bool = False,
                  pad_val: float | dict = 0, padding_mode: str = "constant") -> None:

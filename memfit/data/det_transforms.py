@@ -80,6 +80,18 @@ class DetCompose:
                 return None
         return results
 
+    def check_image_loaded(self, where: str = "pipeline") -> None:
+        """Refuse a chain in which a transform that reads the image comes before any that loads it (a KeyError
+        at the first batch otherwise). Transforms declare ``image_use`` ('loads', 'reads' or 'none'); the
+        check stops at the first that does not (a torchvision or user transform may load it)."""
+        for i, t in enumerate(self.transforms):
+            use = getattr(t, "image_use", None)
+            if use == "reads":
+                raise ConfigError(f"{where}[{i}] ({type(t).__name__}) reads the image, but no transform before it "
+                                  f"loads one: start the pipeline with dict(type='LoadImageFromFile')")
+            if use != "none":
+                return
+
     def output_sizes(self, sizes: np.ndarray) -> np.ndarray:
         return S.chain(self.transforms, sizes)
 
@@ -118,6 +130,8 @@ class LoadImageFromFile:
     defaults ``scale_factor=(1.0, 1.0)``, ``flip=False``, ``flip_direction=None``. ``ignore_empty``
     skips a missing file (the dataset loads another); otherwise a missing file is a ConfigError."""
 
+    image_use = "loads"  # DetCompose.check_image_loaded
+
     output_sizes = _same_size
 
     def __init__(self, to_float32: bool = False, color_type: str = "color", imdecode_backend: str = "cv2",
@@ -155,6 +169,8 @@ class LoadAnnotations:
     ``gt_ignore_flags``, in the coordinates of the original image (as MMDetection, even when it
     follows a Resize in a test pipeline). Masks and segmentation maps are not supported."""
 
+    image_use = "none"
+
     output_sizes = _same_size
 
     def __init__(self, with_bbox: bool = True, with_label: bool = True, with_mask: bool = False,
@@ -185,6 +201,8 @@ class RandomFlip:
     """MMDetection's RandomFlip: flip with probability ``prob`` in ``direction`` ('horizontal',
     'vertical', 'diagonal'; a list splits ``prob`` evenly, or pairs with a list of ``prob``).
     Sets ``flip`` and ``flip_direction``."""
+
+    image_use = "reads"
 
     output_sizes = _same_size
 
@@ -231,6 +249,8 @@ class RandomCrop:
     (``'relative'``, ``'relative_range'``). Boxes are shifted and clipped (``bbox_clip_border``); boxes
     left empty or outside are dropped with their labels. Without boxes left the sample is skipped
     (``None``) unless ``allow_negative_crop``."""
+
+    image_use = "reads"
 
     def __init__(self, crop_size: Sequence[int | float], crop_type: str = "absolute",
                  allow_negative_crop: bool = False, recompute_bbox: bool = False,
@@ -327,6 +347,8 @@ class FilterAnnotations:
     """MMDetection's FilterAnnotations: drop boxes not wider than ``min_gt_bbox_wh[0]`` and taller than
     ``min_gt_bbox_wh[1]``; with none left, ``keep_empty=True`` skips the sample (MMDetection's naming)."""
 
+    image_use = "none"
+
     output_sizes = _same_size
 
     def __init__(self, min_gt_bbox_wh: Sequence[float] = (1.0, 1.0), min_gt_mask_area: int = 1, by_box: bool = True,
@@ -352,6 +374,8 @@ class PackDetInputs:
     """The last transform: ``{'inputs': uint8 [3, H, W], 'data_samples': dict}`` where the dict holds
     the ``meta_keys`` present in the results, ``img_shape`` (the image's own), ``gt_instances`` (boxes
     float32 [n, 4] XYXY, labels int64 [n]) and ``ignored_instances`` (the crowd boxes)."""
+
+    image_use = "reads"
 
     output_sizes = _same_size
 

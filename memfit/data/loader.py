@@ -59,8 +59,9 @@ def build_dataloader(
 
     ``cfg`` keys: ``batch_size`` and ``dataset`` (an object or ``dict(type=...)`` via DATASETS) are
     required; ``sampler`` (default ``dict(type='DefaultSampler', shuffle=True)``; a name or dict via
-    DATA_SAMPLERS, or a sampler object), ``collate_fn`` (default ``default_collate``; a name or dict
-    via COLLATE_FNS, extra keys bound with ``functools.partial``, or a callable), ``num_workers``,
+    DATA_SAMPLERS, or a sampler object), ``collate_fn`` (default ``default_collate``, or the dataset's
+    ``default_collate_fn``; a name or dict via COLLATE_FNS, extra keys bound with ``functools.partial``, or a
+    callable), ``num_workers``,
     ``persistent_workers``, ``pin_memory``, ``drop_last``, ``prefetch_factor``. With
     ``num_workers=0`` the two worker-only options are dropped (configs written for GPU machines
     then run unchanged). ``batch_sampler`` is not supported. ``seed``, ``rank`` and ``world_size``
@@ -96,9 +97,9 @@ def build_dataloader(
     dataset = DATASETS.build(cfg["dataset"], key=f"{key}.dataset")
     sampler = build_sampler(cfg.get("sampler"), dataset, seed=seed, rank=rank, world_size=world_size, key=key)
     _check_not_empty(dataset, sampler, batch_size, bool(cfg.get("drop_last", False)), key)
+    collate_fn = _dataset_collate_fn(cfg.get("collate_fn"), dataset, key)
     if isinstance(sampler, DefaultSampler):
         dataset = SeededDataset(dataset)
-    collate_fn = build_collate_fn(cfg.get("collate_fn"), key=key)
     cuda = device is not None and torch.device(device).type == "cuda"
     try:  # DataLoader's own checks (num_workers, prefetch_factor, ...) as one line naming the key
         num_workers = cfg.get("num_workers")
@@ -223,6 +224,18 @@ def build_collate_fn(cfg: dict | str | Callable | None, *, key: str = "dataloade
         check_kwargs(fn, cfg, f"{key}.collate_fn")
         fn = functools.partial(fn, **cfg)
     return fn
+
+
+def _dataset_collate_fn(cfg: Any, dataset: Any, key: str) -> Callable:
+    """The collate function ``cfg`` names, or the one ``dataset`` declares (``default_collate_fn``) when it names
+    none; default_collate for such a dataset, whose samples it cannot stack, is refused before training."""
+    preferred = getattr(dataset, "default_collate_fn", None)
+    collate_fn = build_collate_fn(cfg if cfg is not None or preferred is None else preferred, key=key)
+    if preferred is not None and collate_fn in (default_collate, COLLATE_FNS.get("default_collate")):
+        raise ConfigError(f"{key}.collate_fn=default_collate cannot stack {type(dataset).__name__}'s samples "
+                          f"(images of different sizes, boxes per image): use collate_fn=dict(type={preferred!r}), "
+                          f"or leave collate_fn out (the default for this dataset, as in MMEngine)")
+    return collate_fn
 
 
 def adapt_dataloader(loader: DataLoader, *, seed: int, rank: int = 0, world_size: int = 1) -> DataLoader:

@@ -112,6 +112,27 @@ def test_errors_are_one_line_with_the_fix(hand_made, tmp_path):
         CocoDataset(ann_file=str(tmp_path / "bad.json"))
 
 
+def test_a_pipeline_reading_the_image_before_loading_it_is_refused(hand_made):
+    no_load = [dict(type="LoadAnnotations", with_bbox=True), dict(type="RandomFlip", prob=0.5),
+               dict(type="PackDetInputs")]
+    message = (r"^pipeline\[1\] \(RandomFlip\) reads the image, but no transform before it loads one: "
+               r"start the pipeline with dict\(type='LoadImageFromFile'\)$")
+    with pytest.raises(ConfigError, match=message):
+        CocoDataset(**hand_made, pipeline=no_load)
+    CocoDataset(**hand_made, pipeline=[lambda r: r, *no_load])  # a transform memfit cannot see into may load it
+
+
+def test_a_config_without_collate_fn_batches_as_mmengine_does_and_default_collate_is_refused(shapes):
+    dataset = dict(type="CocoDataset", data_root=str(shapes), ann_file="annotations/instances_train.json",
+                   data_prefix=dict(img="train/"), pipeline=PACK)
+    batch = next(iter(build_dataloader(dict(batch_size=4, dataset=dataset), seed=0)))  # MMDetection's configs
+    assert isinstance(batch["inputs"], list) and len(batch["inputs"]) == 4  # pseudo_collate: nothing stacked
+    for given in ("default_collate", dict(type="default_collate")):
+        with pytest.raises(ConfigError, match=r"^train_dataloader\.collate_fn=default_collate cannot stack "
+                                              r"CocoDataset's samples .*use collate_fn=dict\(type='pseudo_collate'\)"):
+            build_dataloader(dict(batch_size=4, dataset=dataset, collate_fn=given), seed=0, key="train_dataloader")
+
+
 def test_skipped_samples_are_refetched_in_training_only(hand_made):
     drop_first = lambda r: None if r["img_id"] == 1 else r  # noqa: E731
     ds = CocoDataset(**hand_made, pipeline=[drop_first])
