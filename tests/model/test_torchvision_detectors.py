@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from memfit.data.shapes import ShapesDataset
+from memfit.errors import ConfigError, ConfigTypeError
 from memfit.memory.checkpointing import apply_activation_checkpointing
 from memfit.memory.conv_bn import apply_efficient_conv_bn_eval
 from memfit.registry import MODELS
@@ -95,3 +96,10 @@ def test_conv_bn_on_the_frozen_bn_resnet50_detector_within_1e5():
     torch.testing.assert_close(loss_a, loss_b, atol=1e-5, rtol=1e-4)
     for n in grads_a:
         torch.testing.assert_close(grads_a[n], grads_b[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("value, error", [(0, ConfigError), (-3, ConfigError), (64.0, ConfigTypeError)])
+def test_out_channels_must_be_a_positive_int(value, error):
+    """Refused at construction (it failed at the first step, inside the feature pyramid)."""
+    with pytest.raises(error, match=rf"^model\.out_channels={value!r} must be a positive int"):
+        MODELS.build(dict(type="FCOS", backbone=dict(model_name="resnet18"), num_classes=3, out_channels=value))

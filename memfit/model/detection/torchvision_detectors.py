@@ -24,7 +24,7 @@ from torchvision.models.detection.transform import GeneralizedRCNNTransform
 from torchvision.ops import FeaturePyramidNetwork
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool, LastLevelP6P7
 
-from memfit.errors import ConfigError
+from memfit.errors import ConfigError, type_or_value_error
 from memfit.model.base import BaseModel, build_data_preprocessor
 from memfit.registry import MODELS
 
@@ -35,6 +35,9 @@ class FPNBackbone(nn.Module):
 
     def __init__(self, body: nn.Module, out_channels: int = 256, extra: str = "pool") -> None:
         super().__init__()
+        if not isinstance(out_channels, int) or isinstance(out_channels, bool) or out_channels < 1:
+            raise type_or_value_error(f"model.out_channels={out_channels!r} must be a positive int (the feature "
+                                      f"pyramid's channels, e.g. 256)", not isinstance(out_channels, int))
         self.body = body
         extra_blocks = LastLevelMaxPool() if extra == "pool" else LastLevelP6P7(out_channels, out_channels)
         self.fpn = FeaturePyramidNetwork(list(body.out_channels), out_channels, extra_blocks=extra_blocks)
