@@ -108,26 +108,25 @@ def _planner_cfg(args: argparse.Namespace) -> dict:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from memfit.planner.commands import plan_command
+    from memfit.planner.commands import chart_path, plan_command
 
     cfg = _planner_cfg(args)
-    if not args.png:
-        check_output("--work-dir", Path(cfg["work_dir"]) / "plan.png", "plan.png")  # where the chart goes
+    if not args.png:  # --png itself is checked with the other flags
+        check_output("--work-dir", chart_path(args, cfg), "plan.png")
     return plan_command(args, cfg)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from memfit.planner.commands import bench_command, calibrate_command
+    from memfit.planner.commands import bench_command, bench_path, calibrate_command, calibration_path
 
     if args.calibrate:
         if args.out:
-            check_output("--out", args.out, "calibration.json")
+            check_output("--out", calibration_path(args), "calibration.json")
         return calibrate_command(args)
     if not args.config:
         raise ConfigError("bench needs a CONFIG (or --calibrate, which measures this GPU's step-time profile)")
     cfg = _planner_cfg(args)
-    check_output("--out" if args.out else "--work-dir", Path(args.out or Path(cfg["work_dir"]) / "bench").with_suffix(
-        ".csv"), "bench")  # its table and chart
+    check_output("--out" if args.out else "--work-dir", bench_path(args, cfg).with_suffix(".csv"), "bench")
     return bench_command(args, cfg)
 
 

@@ -35,6 +35,21 @@ def _device(args: Any) -> Device:
 NO_PLAN_FITS = 3  # ``memfit plan``'s exit status when no plan fits the budget (2: refused input, 1: failed)
 
 
+def chart_path(args: Any, cfg: dict) -> Path:
+    """Where ``plan`` writes its chart: ``--png`` or WORK_DIR/plan.png."""
+    return Path(args.png or Path(cfg["work_dir"]) / "plan.png")
+
+
+def bench_path(args: Any, cfg: dict) -> Path:
+    """``bench``'s table and chart without their suffixes: ``--out`` or WORK_DIR/bench."""
+    return Path(args.out or Path(cfg["work_dir"]) / "bench")
+
+
+def calibration_path(args: Any) -> Path:
+    """Where ``bench --calibrate`` writes the profile: ``--out`` or WORK_DIR/calibration.json."""
+    return Path(args.out or Path(args.work_dir or "work_dirs") / "calibration.json")
+
+
 def plan_command(args: Any, cfg: dict) -> int:
     """Print the plans, the recommendation and the notes, write the chart (two or more plans) and the JSON;
     0, or :data:`NO_PLAN_FITS` with one line on stderr naming the budget and the smallest predicted peak."""
@@ -59,7 +74,7 @@ def plan_command(args: Any, cfg: dict) -> int:
     print(f"planned for {pred.input.describe()}")
     print(f"planned in {pred.seconds:.1f} s ({pred.fake_steps} fake steps); peak = "
           + ("reserved + CUDA context + NCCL buffers (see docs/planner.md)" if device.cuda else "live tensor bytes"))
-    png = write_png(pred, args.png or Path(cfg["work_dir"]) / "plan.png")
+    png = write_png(pred, chart_path(args, cfg))
     print(f"wrote {png}" if png else "no chart: one plan has nothing to compare (leave out --as-is to chart every "
           "plan)")
     if args.json:
@@ -170,7 +185,7 @@ def bench_command(args: Any, cfg: dict) -> int:
     print("|" + "---|" * len(rows[0]))
     for row in rows:
         print("| " + " | ".join(str(v) for v in row.values()) + " |")
-    out = Path(args.out or Path(cfg["work_dir"]) / "bench")
+    out = bench_path(args, cfg)
     print(f"wrote {write_csv(rows, out.with_suffix('.csv'))}")
     print(f"wrote {_bench_png(rows, out.with_suffix('.png'))}")
     if args.json:
@@ -238,7 +253,7 @@ def calibrate_command(args: Any) -> int:
         for name, v in (value.items() if isinstance(value, dict) else [(None, value)]):
             before = now.get(key, {}).get(name) if name else now.get(key)
             print(f"| {key}{' ' + name if name else ''} | {_num(v)} | {_num(before)} |")
-    out = Path(args.out or Path(args.work_dir or "work_dirs") / "calibration.json")
+    out = calibration_path(args)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {out}")
