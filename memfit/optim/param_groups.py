@@ -46,15 +46,15 @@ def _check_cfg(cfg: dict) -> dict[str, dict]:
         if key not in PARAMWISE_KEYS:
             raise ConfigError(f"paramwise_cfg: unknown key {key!r}: {did_you_mean(key, PARAMWISE_KEYS)}")
     for key in _MULTS:
-        if key in cfg and not isinstance(cfg[key], (int, float)):
-            raise ConfigTypeError(f"paramwise_cfg.{key}={cfg[key]!r}: use a number")
+        if key in cfg:
+            _check_mult(cfg[key], f"paramwise_cfg.{key}")
     custom = cfg.get("custom_keys") or {}
     if not isinstance(custom, dict) or not all(isinstance(v, dict) for v in custom.values()):
         raise ConfigTypeError("paramwise_cfg.custom_keys: use a dict: name -> dict(lr_mult=.., decay_mult=..)")
     for key, opts in custom.items():
         for opt in ("lr_mult", "decay_mult"):
-            if opt in opts and not isinstance(opts[opt], (int, float)):
-                raise ConfigTypeError(f"paramwise_cfg.custom_keys[{key!r}].{opt}={opts[opt]!r}: use a number")
+            if opt in opts:
+                _check_mult(opts[opt], f"paramwise_cfg.custom_keys[{key!r}].{opt}")
         for opt in opts:
             # Other keys are optimizer options copied into the group; one that looks like a
             # misspelt multiplier would be silently ignored by torch, so it is an error.
@@ -65,6 +65,16 @@ def _check_cfg(cfg: dict) -> dict[str, dict]:
                     f"{did_you_mean(opt, ['lr_mult', 'decay_mult'])}"
                 )
     return custom
+
+
+def _check_mult(value: Any, where: str) -> None:
+    """A multiplier is a number >= 0: a negative one makes a negative lr or weight decay, which torch takes
+    from a parameter group without a word (its optimizers check only their default lr)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ConfigTypeError(f"{where}={value!r}: use a number")
+    if value < 0:
+        raise ConfigError(f"{where}={value!r}: use a number >= 0 (0 freezes the lr or the decay; a negative "
+                          f"multiplier would climb the loss or grow the weights)")
 
 
 def _options(

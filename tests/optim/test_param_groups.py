@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from memfit.errors import ConfigError
+from memfit.errors import ConfigError, ConfigTypeError
 from memfit.optim.param_groups import build_param_groups
 
 
@@ -85,6 +85,14 @@ def test_errors_and_warnings(caplog: pytest.LogCaptureFixture) -> None:
         build(paramwise_cfg=dict(custom_keys={"head": {"lr_mul": 1}}))
     with pytest.raises(ConfigError, match="dcn_offset_lr_mult.*conv_offset"):
         build_param_groups(Net(), lr=1.0, weight_decay=0.1, paramwise_cfg=dict(dcn_offset_lr_mult=0.1))
+    with pytest.raises(ConfigError, match=r"^paramwise_cfg\.custom_keys\['head'\]\.lr_mult=-1: use a number >= 0"):
+        build(paramwise_cfg=dict(custom_keys={"head": {"lr_mult": -1}}))  # torch would take a negative group lr
+    with pytest.raises(ConfigError, match=r"^paramwise_cfg\.norm_decay_mult=-0\.5: use a number >= 0"):
+        build(paramwise_cfg=dict(norm_decay_mult=-0.5))
+    with pytest.raises(ConfigTypeError, match=r"^paramwise_cfg\.bias_lr_mult='x': use a number$"):
+        build(paramwise_cfg=dict(bias_lr_mult="x"))
+    groups = build(paramwise_cfg=dict(custom_keys={"head": {"lr_mult": 0}}))  # 0 freezes: allowed
+    assert any(g["lr"] == 0 for g in groups)
     with caplog.at_level(logging.WARNING, logger="memfit"):
         build(paramwise_cfg=dict(custom_keys={"absolute_pos": {}}))
     assert "custom_keys['absolute_pos'] matches no trainable parameter" in caplog.text
