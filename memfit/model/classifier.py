@@ -73,11 +73,9 @@ class TimmClassifier(ImageClassifier):
     ) -> None:
         import timm
 
-        if model_name not in timm.list_models() and not timm.is_model(model_name):
-            from memfit.errors import ConfigError, did_you_mean
+        from memfit.model.timm_args import check_timm_args
 
-            raise ConfigError(f"model.model_name: unknown timm model {model_name!r}: "
-                              f"{did_you_mean(model_name, timm.list_models())}")
+        check_timm_args(model_name, timm_kwargs, "model")
         if isinstance(pretrained, str):
             timm_kwargs["pretrained_cfg_overlay"] = dict(file=pretrained)
             pretrained = True

@@ -105,6 +105,7 @@ def test_backbone_layers_checkpoints_each_swin_stage_exactly():
         (dict(model_name="resnet_18"), "unknown timm model 'resnet_18'"),
         (dict(model_name="resnet18", out_indices=(0, 4)), "out_indices=(0, 4)"),
         (dict(model_name="resnet18", frozen_stages=5), "frozen_stages=5"),
+        (dict(model_name="resnet18", drop_path_rate=1.5), "backbone.drop_path_rate=1.5: use a probability"),
     ],
 )
 def test_bad_backbone_configs_are_one_line_errors(cfg, words):

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from memfit.errors import ConfigError, did_you_mean
+from memfit.errors import ConfigError
 from memfit.registry import MODELS
 
 # Models whose stem is a strided conv/pool pair list it as a feature of reduction 2 (ResNet's act1):
@@ -76,9 +76,9 @@ def TimmBackbone(  # noqa: N802 - a config type name, as MMDetection's backbones
     """
     import timm
 
-    if not timm.is_model(model_name):
-        raise ConfigError(f"backbone.model_name: unknown timm model {model_name!r}: "
-                          f"{did_you_mean(model_name, timm.list_models())}")
+    from memfit.model.timm_args import check_timm_args
+
+    check_timm_args(model_name, timm_kwargs, "backbone")
     if "swin" in model_name:
         timm_kwargs.setdefault("dynamic_img_size", True)
     if isinstance(pretrained, str):
