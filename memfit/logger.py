@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from memfit.dist import get_rank
-from memfit.errors import mark_failure
+from memfit.errors import ConfigError, mark_failure, nearest
 
 LOGGER_NAME = "memfit"
 _FORMAT = "%(asctime)s - memfit - %(levelname)s - %(message)s"
@@ -27,6 +27,19 @@ class _StdoutHandler(logging.StreamHandler):
     @stream.setter
     def stream(self, value: Any) -> None:
         pass
+
+
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def check_log_level(level: Any, key: str = "log_level") -> None:
+    """A level name logging knows (as MMEngine's ``log_level``) or a number; else one line naming ``key``."""
+    if isinstance(level, int) and not isinstance(level, bool):
+        return
+    if not isinstance(level, str) or level not in LEVELS:
+        close = nearest(level.upper(), LEVELS) if isinstance(level, str) else []
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{key}={level!r}: use one of {', '.join(LEVELS)}{hint}")
 
 
 def get_logger(log_file: str | Path | None = None, level: str | int = "INFO") -> logging.Logger:

@@ -112,8 +112,10 @@ class Runner(RunnerCheckpoints, RunnerHooks):
                            log_level: str) -> None:
         """The process group and device first (the strategy's), then the seeds, then the log folder and logger."""
         from memfit.config.schema import EnvCfg, Randomness
+        from memfit.logger import check_log_level
         from memfit.strategies import build_strategy
 
+        check_log_level(log_level)
         env = EnvCfg.from_dict(env_cfg, "env_cfg")
         if strategy is None:
             strategy = self._strategy_from_cfg()

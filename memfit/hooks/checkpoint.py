@@ -8,6 +8,7 @@ import hashlib
 import io
 import math
 import operator
+import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -66,6 +67,10 @@ class CheckpointHook(Hook):
         if type(save_begin) is not int or save_begin < 0:
             raise type_or_value_error(f"{_WHERE}.save_begin={save_begin!r}: use an int >= 0 (the epoch or "
                                       "iteration of the first periodic checkpoint)", type(save_begin) is not int)
+        for name, value in (("by_epoch", by_epoch), ("save_optimizer", save_optimizer),
+                            ("save_param_scheduler", save_param_scheduler), ("save_last", save_last)):
+            if not isinstance(value, bool):  # a string such as 'no' would read as on
+                raise ConfigTypeError(f"{_WHERE}.{name}={value!r}: use True or False")
         if type(max_keep_ckpts) is not int:
             raise ConfigTypeError(f"{_WHERE}.max_keep_ckpts={max_keep_ckpts!r}: use an int (-1 keeps all)")
         if filename_tmpl is not None and (not isinstance(filename_tmpl, str) or filename_tmpl.count("{}") != 1):
@@ -275,9 +280,15 @@ class CheckpointHook(Hook):
             runner.logger.info(f"The best checkpoint with {score:.4f} {metric} at {n} {unit} is saved to {path.name}")
 
     def check_loops(self, runner: Any) -> None:
-        """``save_best`` names a metric the validation returns, where its evaluator says which before it runs (an
-        unknown name would stop the run at its first validation, after an epoch of training); the Runner calls it
-        once its loops are built."""
+        """``out_dir`` can be written (else the first save failed), and ``save_best`` names a metric the validation
+        returns, where its evaluator says which before it runs (an unknown name would stop the run at its first
+        validation, after an epoch of training); the Runner calls it once its loops are built."""
+        if self._out_arg is not None:  # rank 0 looks; every rank stops
+            folder = _out_subdir(self._out_arg, Path(runner.work_dir))
+            problem = dist.broadcast_object(_unwritable(folder) if dist.is_main_process() else None)
+            if problem:
+                raise ConfigError(f"{_WHERE}.out_dir={str(self._out_arg)!r}: {problem}: set out_dir to a writable "
+                                  "folder")
         evaluator = getattr(getattr(runner, "val_loop", None), "evaluator", None)
         names = evaluator.metric_names() if self.save_best and hasattr(evaluator, "metric_names") else None
         # A hook of the user's may add to the metrics it is given after validating (MMEngine passes the same dict).
@@ -381,3 +392,18 @@ class RuntimeInfoHook(Hook):
         if runner.optim_wrapper is not None:
             for name, values in runner.optim_wrapper.get_lr().items():  # lr, base_lr, <optimizer>.lr
                 hub.update_info(name, values[0])
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why ``folder`` cannot be made or written, or None; folders made to find out are removed again (a run
+    refused later leaves nothing there, and the first save makes them)."""
+    made = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return None if os.access(folder, os.W_OK) else f"{folder} is not writable"
+    except OSError as exc:
+        return f"cannot create {folder}: {exc.strerror}"
+    finally:
+        for path in made:
+            with contextlib.suppress(OSError):
+                path.rmdir()

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memfit.errors import type_or_value_error
 from memfit.model.base import BaseModel
 from memfit.registry import MODELS
 
@@ -27,6 +28,10 @@ class ImageClassifier(BaseModel):
         data_preprocessor: nn.Module | dict | None = None,
         init_cfg: Any = None,
     ) -> None:
+        if not isinstance(label_smoothing, (int, float)) or isinstance(label_smoothing, bool) \
+                or not 0 <= label_smoothing <= 1:  # cross_entropy's own check comes only at the first step
+            raise type_or_value_error(f"model.label_smoothing={label_smoothing!r}: use a number in [0, 1] (e.g. 0.1)",
+                                      not isinstance(label_smoothing, (int, float)))
         super().__init__(data_preprocessor=data_preprocessor, init_cfg=init_cfg)
         self.backbone = MODELS.build(backbone, key="model.backbone")
         self.label_smoothing = label_smoothing
@@ -76,6 +81,9 @@ class TimmClassifier(ImageClassifier):
         from memfit.model.timm_args import check_timm_args
 
         check_timm_args(model_name, timm_kwargs, "model")
+        if type(num_classes) is not int or num_classes < 1:  # timm's 0 (no head) would train on pooled features
+            raise type_or_value_error(f"model.num_classes={num_classes!r}: use the number of classes, an int >= 1 (a "
+                                      "headless timm model is TimmBackbone's)", type(num_classes) is not int)
         if isinstance(pretrained, str):
             timm_kwargs["pretrained_cfg_overlay"] = dict(file=pretrained)
             pretrained = True

@@ -204,6 +204,21 @@ CASES = [
      ["train_dataloader.dataset: ImageFolder: root='emptydir'", "class folder", "Put the images in"]),
     ("work_dir under a file", dict(work_dir="afile/run"), ConfigError,
      ["work_dir='afile/run': cannot create", "Not a directory", "writable folder"]),
+    ("checkpoint out_dir under a file",
+     dict(default_hooks=hooks(checkpoint=dict(type="CheckpointHook", interval=1, out_dir="afile/ckpts"))),
+     ConfigError, ["default_hooks.checkpoint.out_dir='afile/ckpts': cannot create", "Not a directory",
+                   "set out_dir to a writable folder"]),
+    # values that failed at the first step, inside torch, or were read as something else
+    ("log_level typo", dict(log_level="DEBG"), ConfigError,
+     ["log_level='DEBG': use one of DEBUG, INFO", "did you mean 'DEBUG'"]),
+    ("checkpoint by_epoch a string",
+     dict(default_hooks=hooks(checkpoint=dict(type="CheckpointHook", interval=1, by_epoch="no"))), ConfigError,
+     ["default_hooks.checkpoint.by_epoch='no': use True or False"]),
+    ("label_smoothing 1.5", dict(model=dict(type="TimmClassifier", model_name="resnet18", num_classes=4,
+                                            label_smoothing=1.5)), ConfigError,
+     ["model.label_smoothing=1.5: use a number in [0, 1]"]),
+    ("timm num_classes 0", dict(model=dict(type="TimmClassifier", model_name="resnet18", num_classes=0)), ConfigError,
+     ["model.num_classes=0: use the number of classes, an int >= 1"]),
 ]
 
 
