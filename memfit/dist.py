@@ -85,10 +85,9 @@ def _destroy_at_exit_once() -> None:
 
 
 def _destroy_at_exit() -> None:
-    """Destroy the group memfit joined while the interpreter is still whole: left to interpreter
-    finalization, gloo's worker threads can outlive it and abort the process (SIGABRT, "terminate called
-    without an active exception") after training finished; torch's docs ask for destroy_process_group
-    at the end of every trainer process."""
+    """Destroy the group memfit joined while the interpreter is still whole, as torch's docs ask of every trainer
+    process. It does not stop gloo's worker threads while anything still holds the group: a process that must
+    not be aborted by them at exit ends through :func:`exit_process`."""
     if is_distributed():
         dist.destroy_process_group()
 
@@ -115,7 +114,7 @@ def exit_process(code: int) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):  # closed or gone: nothing left to lose
+        except (AttributeError, OSError, ValueError):  # None, closed or gone: nothing left to lose
             pass
     os._exit(code)
 
