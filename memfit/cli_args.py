@@ -6,10 +6,10 @@ after minutes of planning or measuring, nor as a bare Python error."""
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
 
 from memfit.errors import ConfigError
+from memfit.log_dir import unwritable
 
 # (command, option): (flag, what it counts, least value); train's launch flags are memfit.launch's to check
 COUNTS = {
@@ -74,12 +74,6 @@ def check_folder(flag: str, path: str | Path) -> None:
 
 def _writable(flag: str, given: str | Path, folder: Path) -> None:
     """Raise unless the nearest of ``folder`` and its parents that exists is a folder that takes a new file."""
-    nearest = next(q for q in (folder, *folder.parents) if q.exists())
-    try:
-        if not nearest.is_dir():
-            raise NotADirectoryError(0, "not a folder")
-        with tempfile.TemporaryFile(dir=nearest):
-            pass
-    except OSError as exc:
-        raise ConfigError(f"{flag} {given}: cannot write there ({nearest}: {exc.strerror or exc}): give a path in "
-                          "a writable folder") from None
+    problem = unwritable(folder)
+    if problem:
+        raise ConfigError(f"{flag} {given}: cannot write there ({problem}): give a path in a writable folder")

@@ -1,6 +1,7 @@
 """A run's timestamped folder, ``work_dir/<timestamp>/`` (its log, dumped config, scalars): made when
 a Runner is built, as MMEngine does, and taken away again by the ``memfit`` command when the run was
-refused before it started, so a bad config value leaves no folder holding only a log behind.
+refused before it started, so a bad config value leaves no folder holding only a log behind. Also the
+probe that says, before anything is written, why a folder cannot take a run's files.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +29,20 @@ def make_log_dir(work_dir: Path, timestamp: str, given: str | Path) -> Path:
         raise ConfigError(f"work_dir={str(given)!r}: cannot create {log_dir}: {exc.strerror}: "
                           "set work_dir (or --work-dir) to a writable folder") from None
     return log_dir
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why no file could be written in ``folder`` (made as needed), as ``'<nearest>: <reason>'``, or None: the
+    nearest of it and its parents that exists must be a folder that takes a new file. Creates nothing."""
+    nearest = next(q for q in (folder, *folder.parents) if q.exists())
+    try:
+        if not nearest.is_dir():
+            raise NotADirectoryError(0, "not a folder")
+        with tempfile.TemporaryFile(dir=nearest):
+            pass
+    except OSError as exc:
+        return f"{nearest}: {exc.strerror or exc}"
+    return None
 
 
 @contextlib.contextmanager

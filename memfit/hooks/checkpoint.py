@@ -8,7 +8,6 @@ import hashlib
 import io
 import math
 import operator
-import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +19,7 @@ from memfit import dist
 from memfit.errors import ConfigError, ConfigTypeError, type_or_value_error
 from memfit.hooks.base import Hook, _overridden, check_local_storage, save_waits
 from memfit.hooks.checkpoint_options import _WHERE, rule_list, save_best_list, str_list
+from memfit.log_dir import unwritable
 from memfit.registry import HOOKS
 
 
@@ -285,10 +285,10 @@ class CheckpointHook(Hook):
         validation, after an epoch of training); the Runner calls it once its loops are built."""
         if self._out_arg is not None:  # rank 0 looks; every rank stops
             folder = _out_subdir(self._out_arg, Path(runner.work_dir))
-            problem = dist.broadcast_object(_unwritable(folder) if dist.is_main_process() else None)
+            problem = dist.broadcast_object(unwritable(folder) if dist.is_main_process() else None)
             if problem:
-                raise ConfigError(f"{_WHERE}.out_dir={str(self._out_arg)!r}: {problem}: set out_dir to a writable "
-                                  "folder")
+                raise ConfigError(f"{_WHERE}.out_dir={str(self._out_arg)!r}: cannot create {folder} ({problem}): set "
+                                  "out_dir to a writable folder")
         evaluator = getattr(getattr(runner, "val_loop", None), "evaluator", None)
         names = evaluator.metric_names() if self.save_best and hasattr(evaluator, "metric_names") else None
         # A hook of the user's may add to the metrics it is given after validating (MMEngine passes the same dict).
@@ -373,37 +373,3 @@ def _remove_stale_temp_files(runner: Any, folder: Path) -> None:
         for path, action in recover(folder):
             what = f"{path.name} as {TEMP_PATTERN.match(path.name)['name']}" if action == "restored" else path.name
             runner.logger.warning(f"{action} {what}: left by a save that was interrupted")
-
-
-@HOOKS.register()
-class RuntimeInfoHook(Hook):
-    """Puts epoch, iteration and learning rate into the message hub's runtime info."""
-
-    priority = "VERY_HIGH"
-
-    def before_train(self, runner: Any) -> None:
-        runner.message_hub.update_info("max_iters", runner.max_iters)
-        runner.message_hub.update_info("max_epochs", runner.max_epochs)
-
-    def before_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None) -> None:
-        hub = runner.message_hub
-        hub.update_info("epoch", runner.epoch)
-        hub.update_info("iter", runner.iter)
-        if runner.optim_wrapper is not None:
-            for name, values in runner.optim_wrapper.get_lr().items():  # lr, base_lr, <optimizer>.lr
-                hub.update_info(name, values[0])
-
-
-def _unwritable(folder: Path) -> str | None:
-    """Why ``folder`` cannot be made or written, or None; folders made to find out are removed again (a run
-    refused later leaves nothing there, and the first save makes them)."""
-    made = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        return None if os.access(folder, os.W_OK) else f"{folder} is not writable"
-    except OSError as exc:
-        return f"cannot create {folder}: {exc.strerror}"
-    finally:
-        for path in made:
-            with contextlib.suppress(OSError):
-                path.rmdir()

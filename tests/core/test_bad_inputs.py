@@ -206,7 +206,7 @@ CASES = [
      ["work_dir='afile/run': cannot create", "Not a directory", "writable folder"]),
     ("checkpoint out_dir under a file",
      dict(default_hooks=hooks(checkpoint=dict(type="CheckpointHook", interval=1, out_dir="afile/ckpts"))),
-     ConfigError, ["default_hooks.checkpoint.out_dir='afile/ckpts': cannot create", "Not a directory",
+     ConfigError, ["default_hooks.checkpoint.out_dir='afile/ckpts': cannot create", "afile: not a folder",
                    "set out_dir to a writable folder"]),
     # values that failed at the first step, inside torch, or were read as something else
     ("log_level typo", dict(log_level="DEBG"), ConfigError,
