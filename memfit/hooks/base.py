@@ -154,6 +154,13 @@ def _overridden(hook: Hook, method: str) -> bool:
 
 
 # -- storage options shared by CheckpointHook and LoggerHook -------------------------------------
+def check_switches(where: str, **switches: Any) -> None:
+    """On/off arguments of the hook configured at ``where`` must be bools: a string such as 'no' would read as on."""
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise ConfigTypeError(f"{where}.{name}={value!r}: use True or False")
+
+
 def check_local_storage(where: str, out_dir: Any, backend_args: dict | None,
                         file_client_args: dict | None) -> None:
     """MMEngine's ``out_dir``/``backend_args``/``file_client_args`` checks, local disk only.

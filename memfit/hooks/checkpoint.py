@@ -17,7 +17,7 @@ import torch
 
 from memfit import dist
 from memfit.errors import ConfigError, ConfigTypeError, type_or_value_error
-from memfit.hooks.base import Hook, _overridden, check_local_storage, save_waits
+from memfit.hooks.base import Hook, _overridden, check_local_storage, check_switches, save_waits
 from memfit.hooks.checkpoint_options import _WHERE, rule_list, save_best_list, str_list
 from memfit.log_dir import unwritable
 from memfit.registry import HOOKS
@@ -67,10 +67,8 @@ class CheckpointHook(Hook):
         if type(save_begin) is not int or save_begin < 0:
             raise type_or_value_error(f"{_WHERE}.save_begin={save_begin!r}: use an int >= 0 (the epoch or "
                                       "iteration of the first periodic checkpoint)", type(save_begin) is not int)
-        for name, value in (("by_epoch", by_epoch), ("save_optimizer", save_optimizer),
-                            ("save_param_scheduler", save_param_scheduler), ("save_last", save_last)):
-            if not isinstance(value, bool):  # a string such as 'no' would read as on
-                raise ConfigTypeError(f"{_WHERE}.{name}={value!r}: use True or False")
+        check_switches(_WHERE, by_epoch=by_epoch, save_optimizer=save_optimizer,
+                       save_param_scheduler=save_param_scheduler, save_last=save_last)
         if type(max_keep_ckpts) is not int:
             raise ConfigTypeError(f"{_WHERE}.max_keep_ckpts={max_keep_ckpts!r}: use an int (-1 keeps all)")
         if filename_tmpl is not None and (not isinstance(filename_tmpl, str) or filename_tmpl.count("{}") != 1):

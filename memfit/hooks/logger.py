@@ -18,7 +18,7 @@ import torch
 
 from memfit.dist import is_main_process
 from memfit.errors import ConfigError, ConfigTypeError, type_or_value_error
-from memfit.hooks.base import Hook, check_local_storage
+from memfit.hooks.base import Hook, check_local_storage, check_switches
 from memfit.registry import HOOKS
 
 _WHERE = "default_hooks.logger"
@@ -73,10 +73,7 @@ class LoggerHook(Hook):
         if type(interval_exp_name) is not int or interval_exp_name < 1:
             raise type_or_value_error(f"{_WHERE}.interval_exp_name={interval_exp_name!r}: use an int >= 1 "
                                       "(iterations between 'Exp name' lines)", type(interval_exp_name) is not int)
-        for name, value in (("ignore_last", ignore_last), ("keep_local", keep_local),
-                            ("log_metric_by_epoch", log_metric_by_epoch)):
-            if not isinstance(value, bool):
-                raise ConfigTypeError(f"{_WHERE}.{name}={value!r}: use True or False")
+        check_switches(_WHERE, ignore_last=ignore_last, keep_local=keep_local, log_metric_by_epoch=log_metric_by_epoch)
         if not (isinstance(out_suffix, str) or (isinstance(out_suffix, list | tuple)
                                                 and all(isinstance(x, str) for x in out_suffix))):
             raise ConfigTypeError(f"{_WHERE}.out_suffix={out_suffix!r}: use a str or a tuple of str, "
