@@ -20,6 +20,7 @@ from memfit.planner.results import PlanResult
 from memfit.planner.row_allocator import activations_key
 from memfit.planner.runs import Runs, StepFailed
 from memfit.planner.space import Plan
+from memfit.planner.stuck import dump_stack_on_request, wait_answer
 
 Row = PlanResult | StepFailed
 T = TypeVar("T")
@@ -57,6 +58,7 @@ def _serve(conn: Connection, runs: Runs, work: Groups, fn: Callable, counter: An
     runs.pool, runs.forked = None, False
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle (this daemon ends with it)
+    dump_stack_on_request()
     out: dict[int, Any] = {}
     try:
         for g in _taken(counter, len(work)):
@@ -70,7 +72,8 @@ def _serve(conn: Connection, runs: Runs, work: Groups, fn: Callable, counter: An
 def in_processes(work: Groups[T], fn: Callable[[T], R], processes: int, runs: Runs) -> dict[int, R]:
     """``fn`` of each item of ``work`` (groups of ``(index, item)``), by index, in up to ``processes`` processes:
     forked where ``runs``' fake-step workers are (this process has run no backward), else here, one by one. What a
-    process that dies leaves undone is done here. ``fn``'s results are pickled back."""
+    process that dies or is stuck (:mod:`memfit.planner.stuck`) leaves undone is done here. ``fn``'s results are
+    pickled back."""
     extra = min(processes, len(work)) - 1
     if extra < 1 or not runs.forked:
         return {i: fn(x) for group in work for i, x in group}
@@ -88,8 +91,9 @@ def in_processes(work: Groups[T], fn: Callable[[T], R], processes: int, runs: Ru
         out.update((i, fn(x)) for i, x in work[g])
     for conn, process in children:
         try:
-            out.update(conn.recv())
-        except EOFError:  # the process died (out of memory, killed): its groups are done below
+            if wait_answer(conn, process.pid, process.is_alive, "row-composing process"):
+                out.update(conn.recv())
+        except EOFError:  # the process died (out of memory, killed) or was stuck: its groups are done below
             pass
         conn.close()
         process.join()

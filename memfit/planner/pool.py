@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from memfit.planner.stuck import POLL_S, Watch, dump_stack_on_request, kill_stuck
+
 
 @dataclass(frozen=True)
 class Job:
@@ -36,8 +38,13 @@ class WorkerDied(RuntimeError):
     """A worker process ended without answering (killed, out of memory)."""
 
 
+class WorkerStuck(RuntimeError):
+    """A worker holding a step stopped running (:mod:`memfit.planner.stuck`); it was killed."""
+
+
 def _serve(conn: Connection, initializer: Callable[..., None], initargs: tuple) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it closes the pool
+    dump_stack_on_request()
     initializer(*initargs)
     while True:
         try:
@@ -76,6 +83,7 @@ class Pool:
     def __init__(self, n: int, initializer: Callable[..., None], initargs: tuple = ()) -> None:
         ctx = multiprocessing.get_context("fork")
         self.workers = [_Worker(ctx, initializer, initargs) for _ in range(n)]
+        self.watch = Watch()
 
     def _pick(self, idle: list[_Worker], pending: dict[Hashable, Job]) -> tuple[_Worker, Hashable]:
         """The idle worker and job for which the job's cold cost there exceeds its least on any worker by the
@@ -98,19 +106,37 @@ class Pool:
                 w.job, job = key, pending.pop(key)
                 w.warm.update(job.kinds)
                 w.conn.send((w.job, job.fn, job.args))
+                self.watch.started(w.process.pid)
             busy = [w for w in self.workers if w.job is not None]
             if not busy:
                 return
-            for conn in wait([w.conn for w in busy]):
+            ready = wait([w.conn for w in busy], timeout=POLL_S)
+            if not ready:
+                self._check(busy)
+            for conn in ready:
                 w = next(w for w in busy if w.conn is conn)
                 try:
                     key, ok, value = conn.recv()
                 except EOFError:
-                    w.process.join(timeout=5)
-                    raise WorkerDied(f"a planner worker process (pid {w.process.pid}) ended while running a fake "
-                                     f"step (exit code {w.process.exitcode}); was it out of memory?") from None
+                    raise self._died(w) from None
                 w.job = None
                 going = done(key, ok, value) and going
+
+    def _check(self, busy: list[_Worker]) -> None:
+        """Raise for a busy worker that ended (its end of the pipe held open elsewhere) or is stuck."""
+        for w in busy:
+            if not w.process.is_alive() and not w.conn.poll():
+                raise self._died(w)
+            if self.watch.stuck(w.process.pid):
+                line = kill_stuck(w.process.pid, "fake-step worker process")
+                w.process.join(timeout=5)
+                raise WorkerStuck(line)
+
+    @staticmethod
+    def _died(w: _Worker) -> WorkerDied:
+        w.process.join(timeout=5)
+        return WorkerDied(f"a planner worker process (pid {w.process.pid}) ended while running a fake step "
+                          f"(exit code {w.process.exitcode}); was it out of memory?")
 
     def close(self) -> None:
         for w in self.workers:

@@ -26,7 +26,7 @@ from memfit.planner.host_step import optimizer_step
 from memfit.planner.inputs import Inputs
 from memfit.planner.kernel_scratch import H100_SMS
 from memfit.planner.levers import fake_step_cfg
-from memfit.planner.pool import Job, Pool
+from memfit.planner.pool import Job, Pool, WorkerStuck
 from memfit.planner.space import ModelFacts, Plan, technique_cfg
 from memfit.planner.sync_points import SYNC_ONLY
 from memfit.strategies import capabilities_of, fake_step_config, fake_step_strategy
@@ -168,7 +168,7 @@ class Runs:
         self.progress = progress
         self.pool: Pool | None = None
         # Workers are forked while this process has run no backward (autograd's threads would not survive the
-        # fork): False once a worker found otherwise, or where fork does not exist; then steps run here.
+        # fork): False once a worker found otherwise or got stuck, or where fork does not exist; then steps run here.
         self.forked = "fork" in multiprocessing.get_all_start_methods()
 
     def _cfg(self, plan: Plan, single: bool) -> dict:
@@ -214,7 +214,11 @@ class Runs:
                 bar.update(1)
             return True
 
-        self.pool.run(jobs, done)
+        try:
+            self.pool.run(jobs, done)
+        except WorkerStuck as exc:  # a hazard of forking this process (a lock or thread it held): the rest runs here
+            print(exc, file=sys.stderr, flush=True)
+            self.forked = False
 
     def __enter__(self) -> Runs:
         return self

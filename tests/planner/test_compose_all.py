@@ -82,6 +82,29 @@ def test_rows_of_a_process_that_died_are_composed_here(planned, monkeypatch):
     assert _rows(predict.predict(cfg, **args)) == _rows(serial)
 
 
+def test_rows_of_a_process_that_is_stuck_are_composed_here(planned, monkeypatch, capfd):
+    """A forked process that takes a group and then stops running (no CPU for STUCK_S seconds) is stopped, and its
+    rows are composed here: the same rows, one line on standard error."""
+    from memfit.planner import stuck
+
+    cfg, args, serial = planned
+
+    def stops(conn, runs, work, fn, counter):
+        import threading
+
+        next(compose_all._taken(counter, len(work)))
+        lock = threading.Lock()
+        lock.acquire()
+        lock.acquire()
+
+    monkeypatch.setattr(compose_all, "_serve", stops)
+    monkeypatch.setattr(predict, "workers", lambda: 2)
+    monkeypatch.setattr(stuck, "STUCK_S", 1.0)
+    monkeypatch.setattr(stuck, "POLL_S", 0.1)
+    assert _rows(predict.predict(cfg, **args)) == _rows(serial)
+    assert "row-composing process (pid" in capfd.readouterr().err
+
+
 def test_groups_keep_rows_of_one_activations_together_costliest_first():
     from memfit.planner.space import Plan
 

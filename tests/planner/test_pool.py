@@ -97,3 +97,42 @@ def test_ctrl_c_is_the_parents_a_worker_ignores_it_and_goes_on():
         assert out["after"] == pool.workers[0].process.pid
     finally:
         pool.close()
+
+
+def _blocked() -> None:
+    import threading
+
+    lock = threading.Lock()
+    lock.acquire()
+    lock.acquire()  # as a fork's child waits for a lock a thread of its parent held: forever, using no CPU
+
+
+def _spin(seconds: float) -> int:
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+    return os.getpid()
+
+
+def test_a_worker_that_stops_running_is_stopped_with_its_stack_and_a_busy_one_is_not(monkeypatch, capfd):
+    """A worker holding a step that uses no CPU for STUCK_S seconds is stuck (a fork can inherit a lock its parent's
+    other thread held): the pool says so in one line instead of waiting forever, after the worker wrote its Python
+    stack; a worker computing for longer than that is left to finish."""
+    from memfit.planner import pool as pool_module
+    from memfit.planner import stuck
+
+    monkeypatch.setattr(stuck, "STUCK_S", 1.0)
+    monkeypatch.setattr(pool_module, "POLL_S", 0.1)
+    pool = Pool(2, _init)
+    try:
+        out = _run(pool, {"busy": Job(_spin, (2.0,), 1.0)})
+        assert out["busy"] in {w.process.pid for w in pool.workers}
+        start = time.monotonic()
+        with pytest.raises(pool_module.WorkerStuck, match=r"^memfit plan: a fake-step worker process \(pid \d+\) "
+                                                          r"used no CPU for 1 s and was stopped"):
+            _run(pool, {"blocked": Job(_blocked, (), 1.0)})
+        assert time.monotonic() - start < 10
+        assert sum(w.process.is_alive() for w in pool.workers) == 1  # the stuck one was killed
+        assert "in _blocked" in capfd.readouterr().err  # its stack, from faulthandler
+    finally:
+        pool.close()

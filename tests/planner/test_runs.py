@@ -69,6 +69,43 @@ def test_after_a_backward_here_the_runs_fall_back_to_this_process_and_survive_a_
     assert len(serial.results) > 1
 
 
+def _blocks_in_one_worker(step, flag, parent):
+    def run_one(*args, **kwargs):
+        if os.getpid() != parent:
+            try:
+                os.close(os.open(flag, os.O_CREAT | os.O_EXCL))  # the first worker to get here stops for good
+            except FileExistsError:
+                pass
+            else:
+                import threading
+
+                lock = threading.Lock()
+                lock.acquire()
+                lock.acquire()
+        return step(*args, **kwargs)
+
+    run_one.__module__, run_one.__qualname__ = step.__module__, step.__qualname__  # sent by name, as the real one
+    return run_one
+
+
+def test_a_stuck_worker_is_stopped_and_its_steps_run_here(tiny_config, tmp_path, monkeypatch, capfd):
+    """A fake-step worker that stops running (a lock its parent's thread held at the fork, say) is stopped after
+    STUCK_S seconds without CPU; the prediction finishes here, equal to one run here from the start."""
+    from memfit.planner import pool, runs, stuck
+
+    cfg = Config.fromfile(str(tiny_config(tmp_path))).to_dict()
+    monkeypatch.setenv("MEMFIT_PLAN_WORKERS", "1")
+    serial = predict(cfg, device=gpu("H100"), verify=False)
+    monkeypatch.setattr(stuck, "STUCK_S", 1.0)
+    monkeypatch.setattr(pool, "POLL_S", 0.1)
+    monkeypatch.setattr(runs, "_run_one", _blocks_in_one_worker(runs._run_one, str(tmp_path / "flag"), os.getpid()))
+    monkeypatch.setenv("MEMFIT_PLAN_WORKERS", "2")
+    again = predict(cfg, device=gpu("H100"), verify=False)
+    assert [(r.plan, r.peak_bytes) for r in again.results] == [(r.plan, r.peak_bytes) for r in serial.results]
+    err = capfd.readouterr().err
+    assert (tmp_path / "flag").exists() and "used no CPU for 1 s and was stopped" in err, err[-2000:]
+
+
 @pytest.mark.parametrize("workers", ["0", "-3"])
 def test_worker_count_is_at_least_one(workers, monkeypatch):
     from memfit.planner.runs import workers as count
