@@ -29,9 +29,10 @@ def cpu_seconds(pid: int) -> float | None:
 
 
 def dump_stack_on_request() -> None:
-    """In a forked process: write every thread's Python stack to standard error on SIGUSR1 (:func:`kill_stuck`)."""
-    if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    """In a forked process: write every thread's Python stack to standard error on SIGUSR2 (:func:`kill_stuck`; not
+    SIGUSR1, which schedulers send before preempting a job and :class:`~memfit.hooks.PreemptionHook` handles)."""
+    if hasattr(signal, "SIGUSR2"):
+        faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True)
 
 
 class Watch:
@@ -55,7 +56,7 @@ class Watch:
 
 def kill_stuck(pid: int, what: str) -> str:
     """Ask the stuck process ``pid`` for its stack (:func:`dump_stack_on_request`), kill it and say so in one line."""
-    for sig, pause in ((getattr(signal, "SIGUSR1", None), 0.5), (signal.SIGKILL, 0.0)):
+    for sig, pause in ((getattr(signal, "SIGUSR2", None), 0.5), (signal.SIGKILL, 0.0)):
         if sig is None:
             continue
         try:
