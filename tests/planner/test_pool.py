@@ -131,7 +131,7 @@ def test_a_worker_that_stops_running_is_stopped_with_its_stack_and_a_busy_one_is
         with pytest.raises(pool_module.WorkerStuck, match=r"^memfit plan: a fake-step worker process \(pid \d+\) "
                                                           r"used no CPU for 1 s and was stopped"):
             _run(pool, {"blocked": Job(_blocked, (), 1.0)})
-        assert time.monotonic() - start < 10
+        assert time.monotonic() - start < 45  # well before the 60 s a real worker is given
         assert sum(w.process.is_alive() for w in pool.workers) == 1  # the stuck one was killed
         assert "in _blocked" in capfd.readouterr().err  # its stack, from faulthandler
     finally:
