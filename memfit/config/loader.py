@@ -5,7 +5,8 @@ start with ``_`` are helpers, and names bound by ``import``, ``def`` or ``class`
 neither becomes a key (a class imported at the top stays a value where it is used, as in
 ``type=SGD``). ``_base_`` names one file or a list of files, resolved relative to the file that
 names them; they are merged in order and the file's own keys are merged on top. Dict values merge
-recursively unless the overriding dict carries ``_delete_=True``; any other value replaces. A YAML
+recursively unless the overriding dict carries ``_delete_=True``; any other value replaces. A file reads its
+bases' values through ``{{_base_.name}}`` and, in Python, ``_base_`` itself (:mod:`memfit.config.base_refs`). A YAML
 file whose root key is ``config:`` is a VISSL config, translated by :mod:`memfit.config.vissl`.
 """
 
@@ -23,10 +24,10 @@ from typing import Any
 
 import yaml
 
+from memfit.config.base_refs import BASE_KEY, fill_refs, hold_refs, python_bases
 from memfit.config.vissl import is_vissl_config, translate_vissl
 from memfit.errors import ConfigError, nearest
 
-BASE_KEY = "_base_"
 DELETE_KEY = "_delete_"
 PYTHON_SUFFIXES = (".py",)
 YAML_SUFFIXES = (".yaml", ".yml")
@@ -225,23 +226,32 @@ def _load(path: Path, chain: tuple[Path, ...]) -> dict:
     if path in chain:
         cycle = " -> ".join(str(p) for p in (*chain, path))
         raise ConfigError(f"config _base_ cycle: {cycle}")
+    if path.suffix not in PYTHON_SUFFIXES + YAML_SUFFIXES:
+        raise ConfigError(
+            f"config file {str(path)!r}: unsupported suffix {path.suffix!r} (use .py, .yaml or .yml)"
+        )
+    text, held = hold_refs(path.read_text(encoding="utf-8"))
     if path.suffix in PYTHON_SUFFIXES:
-        own = _load_python(path)
-    elif path.suffix in YAML_SUFFIXES:
-        own = _load_yaml(path)
+        tree, spec = python_bases(_parse_python(text, path), path)
+        bases = _merged_bases(spec, path, chain)
+        own = _load_python(path, tree, bases)
+    else:
+        own = _load_yaml(path, text)
         if is_vissl_config(own):  # VISSL's dialect (root key 'config:'), translated key by key
             try:
                 own = translate_vissl(own)
             except ConfigError as exc:
                 raise ConfigError(f"config {path}: {exc}") from None
-    else:
-        raise ConfigError(
-            f"config file {str(path)!r}: unsupported suffix {path.suffix!r} (use .py, .yaml or .yml)"
-        )
+        bases = _merged_bases(own.pop(BASE_KEY, None), path, chain)
+    return merge_dicts(bases, fill_refs(own, held, bases, path))
+
+
+def _merged_bases(spec: Any, path: Path, chain: tuple[Path, ...]) -> Config:
+    """The ``_base_`` files merged in order, as a Config (a Python config reads it as ``_base_`` while it runs)."""
     merged: dict = {}
-    for base in _base_paths(own.pop(BASE_KEY, None), path):
+    for base in _base_paths(spec, path):
         merged = merge_dicts(merged, _load(base, (*chain, path)))
-    return merge_dicts(merged, own)
+    return Config(merged)
 
 
 def _base_paths(spec: Any, path: Path) -> Iterator[Path]:
@@ -257,9 +267,9 @@ def _base_paths(spec: Any, path: Path) -> Iterator[Path]:
         yield base
 
 
-def _load_yaml(path: Path) -> dict:
+def _load_yaml(path: Path, text: str) -> dict:
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark is not None else ""
@@ -277,18 +287,21 @@ def _load_yaml(path: Path) -> dict:
     return {k: v for k, v in data.items() if k == BASE_KEY or not str(k).startswith("_")}
 
 
-def _load_python(path: Path) -> dict:
-    source = path.read_text(encoding="utf-8")
+def _parse_python(text: str, path: Path) -> ast.Module:
     try:
-        tree = ast.parse(source, filename=str(path))
+        return ast.parse(text, filename=str(path))
     except SyntaxError as e:
         text = (e.text or "").strip()
         shown = f": {text[:60]!r}" if text else ""
         raise ConfigError(f"config {path} line {e.lineno}: {e.msg}{shown}") from None
+
+
+def _load_python(path: Path, tree: ast.Module, bases: Config) -> dict:
     namespace: dict[str, Any] = {
         "__file__": str(path),
         "__name__": "__memfit_config__",
         "__builtins__": builtins,
+        BASE_KEY: bases,
     }
     # The config's folder is importable while it runs, so a config can import a sibling module.
     sys.path.insert(0, str(path.parent))
@@ -310,7 +323,7 @@ def _load_python(path: Path) -> dict:
     return {
         name: value
         for name, value in namespace.items()
-        if (name == BASE_KEY or not name.startswith("_"))
+        if not name.startswith("_")
         and name not in definitions
         and not isinstance(value, types.ModuleType)
     }
