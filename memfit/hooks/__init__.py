@@ -10,6 +10,14 @@ from memfit.hooks.preemption import PreemptionHook
 from memfit.hooks.runtime_info import RuntimeInfoHook
 from memfit.hooks.sampler_seed import DistSamplerSeedHook
 from memfit.hooks.timer import IterTimerHook
+from memfit.hooks.visualization import (
+    DetVisualizationHook,
+    NaiveVisualizationHook,
+    SegVisualizationHook,
+    TrackVisualizationHook,
+    VisualizationHook,
+)
 
 __all__ = ["Hook", "CheckInvalidLossHook", "CheckpointHook", "RuntimeInfoHook", "LoggerHook", "ParamSchedulerHook",
-           "DistSamplerSeedHook", "IterTimerHook", "MemoryMonitorHook", "PreemptionHook"]
+           "DistSamplerSeedHook", "IterTimerHook", "MemoryMonitorHook", "PreemptionHook", "DetVisualizationHook",
+           "NaiveVisualizationHook", "SegVisualizationHook", "TrackVisualizationHook", "VisualizationHook"]
