@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from memfit.checkpoint import capture_rng_state, restore_rng_state
+from memfit.data.batch_sampler import batch_size_of
 from memfit.data.prefetch import prefetch
 from memfit.data.sampler import InfiniteSampler
 from memfit.dist import get_world_size
@@ -175,7 +176,7 @@ class TrainLoop:
         runner.call_hook("before_train_iter", batch_idx=batch_idx, data_batch=data_batch)
         outputs = runner.model.train_step(data_batch, optim_wrapper=runner.optim_wrapper)
         if hasattr(self.sampler, "advance"):
-            self.sampler.advance(self.dataloader.batch_size * get_world_size())
+            self.sampler.advance(batch_size_of(self.dataloader) * get_world_size())
         self.batch_in_epoch = batch_idx + 1
         self._iter_end = True
         runner.call_hook("after_train_iter", batch_idx=batch_idx, data_batch=data_batch, outputs=outputs)

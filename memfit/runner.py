@@ -19,6 +19,7 @@ from torch import nn
 
 from memfit import dist
 from memfit.checks import check_classes, check_eval_configs
+from memfit.data.batch_sampler import batch_size_of
 from memfit.errors import ConfigError, ConfigTypeError, Preempted, did_you_mean, warn_ignored
 from memfit.hooks.base import Hook
 from memfit.hooks.log_options import log_options
@@ -243,7 +244,7 @@ class Runner(RunnerCheckpoints, RunnerHooks):
 
         optim_cfg = self._scaled_optim_cfg() if with_optimizer else None
         if self.train_dataloader is not None:
-            self.strategy.set_micro_batch_size(self.train_dataloader.batch_size)
+            self.strategy.set_micro_batch_size(batch_size_of(self.train_dataloader))
         self.model, self.optim_wrapper = setup(
             self.model, self.strategy, optim_cfg, self.cfg, precision=self._precision,
             optimizer_in_backward=bool(self.cfg.get("optimizer_in_backward")) and with_optimizer,
@@ -256,7 +257,7 @@ class Runner(RunnerCheckpoints, RunnerHooks):
         if self._optim_wrapper_cfg is None:
             raise ConfigError("optim_wrapper is not set: e.g. optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.01))")
         return scale_lr_cfg(self._optim_wrapper_cfg, self._auto_scale_lr,
-                            lambda: self.train_dataloader.batch_size * self.world_size)
+                            lambda: batch_size_of(self.train_dataloader) * self.world_size)
 
     def _build_eval_loop(self, loader_cfg: Any, evaluator_cfg: Any, loop_cfg: Any, mode: str) -> Any:
         from memfit.evaluator import Evaluator

@@ -6,6 +6,7 @@ Importing this package registers ``ShapesDataset``, ``ImageFolder`` and ``CocoDa
 """
 
 from memfit.data import det_resize  # noqa: F401 - registers Resize, RandomChoiceResize, RandomResize, Pad
+from memfit.data.batch_sampler import AspectRatioBatchSampler
 from memfit.data.coco import CocoDataset
 from memfit.data.image_folder import ImageFolder
 from memfit.data.loader import adapt_dataloader, build_collate_fn, build_dataloader, build_sampler
@@ -17,6 +18,7 @@ from memfit.data.transforms import build_transform, build_transforms, default_im
 
 __all__ = [
     "SHAPES",
+    "AspectRatioBatchSampler",
     "CocoDataset",
     "DefaultSampler",
     "FeistelPermutation",

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from memfit.data.det_transforms import build_det_pipeline
+from memfit.data.det_transforms import build_det_pipeline, check_local_backend
 from memfit.errors import ConfigError, did_you_mean
 from memfit.registry import DATASETS
 
@@ -68,9 +68,7 @@ class CocoDataset(Dataset):
         backend_args: dict | None = None,
         max_refetch: int = 1000,
     ) -> None:
-        if backend_args is not None and backend_args.get("backend", "local") != "local":
-            raise ConfigError(f"CocoDataset: backend_args={backend_args!r}: memfit reads local files only: "
-                              f"set backend_args=None")
+        check_local_backend(backend_args, "CocoDataset")
         self.ann_file = _join(data_root, ann_file)
         prefix = dict(data_prefix or {})
         self.img_prefix = _join(data_root, prefix.get("img", prefix.get("img_path", "")))
@@ -144,6 +142,10 @@ class CocoDataset(Dataset):
 
     def __len__(self) -> int:
         return len(self._img_ids)
+
+    def image_hw(self) -> np.ndarray:
+        """Each image's ``(height, width)`` by index, from the annotation file (int64 ``[len, 2]``)."""
+        return self._sizes.copy()
 
     def image_sizes(self) -> np.ndarray:
         """The distinct ``(height, width)`` of the images, from the annotation file (int64 ``[n, 2]``)."""

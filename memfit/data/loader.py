@@ -25,6 +25,7 @@ from torch.utils.data import (
     default_collate,
 )
 
+from memfit.data.batch_sampler import build_batch_sampler
 from memfit.data.sampler import DefaultSampler
 from memfit.data.seeded import SeededDataset
 from memfit.errors import ConfigError, ConfigTypeError, component_error, did_you_mean, type_or_value_error
@@ -64,8 +65,8 @@ def build_dataloader(
     callable), ``num_workers``,
     ``persistent_workers``, ``pin_memory``, ``drop_last``, ``prefetch_factor``. With
     ``num_workers=0`` the two worker-only options are dropped (configs written for GPU machines
-    then run unchanged). ``batch_sampler`` is not supported. ``seed``, ``rank`` and ``world_size``
-    go to the sampler; ``key`` names the config section in error messages. ``device``: where the
+    then run unchanged). ``batch_sampler``: one of :mod:`memfit.data.batch_sampler`'s. ``seed``, ``rank`` and
+    ``world_size`` go to the sampler; ``key`` names the config section in error messages. ``device``: where the
     batches go. On CUDA, batches are pinned unless ``pin_memory=False`` (pinning needs CUDA, so it is
     off elsewhere), and a missing ``num_workers`` is :func:`default_num_workers`.
 
@@ -88,15 +89,13 @@ def build_dataloader(
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise type_or_value_error(f"{key}: batch_size={batch_size!r} must be a positive int",
                                   not isinstance(batch_size, int) or isinstance(batch_size, bool))
-    if cfg.get("batch_sampler") is not None:
-        raise ConfigError(
-            f"{key}: batch_sampler is not supported (memfit's samplers shard and resume per sample): "
-            f"remove it and set {key}.sampler and {key}.batch_size"
-        )
-
     dataset = DATASETS.build(cfg["dataset"], key=f"{key}.dataset")
     sampler = build_sampler(cfg.get("sampler"), dataset, seed=seed, rank=rank, world_size=world_size, key=key)
     _check_not_empty(dataset, sampler, batch_size, bool(cfg.get("drop_last", False)), key)
+    batching: dict[str, Any] = dict(batch_size=batch_size, sampler=sampler, drop_last=bool(cfg.get("drop_last", False)))
+    if cfg.get("batch_sampler") is not None:
+        batching = dict(batch_sampler=build_batch_sampler(cfg["batch_sampler"], sampler, dataset, batch_size,
+                                                          cfg.get("drop_last"), key))
     collate_fn = _dataset_collate_fn(cfg.get("collate_fn"), dataset, key)
     if isinstance(sampler, DefaultSampler):
         dataset = SeededDataset(dataset)
@@ -113,12 +112,10 @@ def build_dataloader(
         pin = cfg.get("pin_memory")
         return DataLoader(
             dataset,
-            batch_size=batch_size,
-            sampler=sampler,
+            **batching,
             collate_fn=collate_fn,
             num_workers=num_workers,
             pin_memory=cuda if pin is None else bool(pin) and cuda,
-            drop_last=bool(cfg.get("drop_last", False)),
             **kwargs,
         )
     except (TypeError, ValueError) as exc:

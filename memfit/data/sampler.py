@@ -189,11 +189,11 @@ class DefaultSampler(Sampler[SampleKey]):
         perm = self._permutation(epoch)
         return pos if perm is None else perm(pos)
 
-    def _end(self) -> int:
+    def _end(self, consumed: int) -> int:
         """One past the last global position of this epoch (padded so every rank ends together)."""
-        remaining = max(self.num_samples - self.consumed, 0)
+        remaining = max(self.num_samples - consumed, 0)
         if self.round_up:
-            return self.consumed + math.ceil(remaining / self.world_size) * self.world_size
+            return consumed + math.ceil(remaining / self.world_size) * self.world_size
         return self.num_samples
 
     def _keys(self, epoch: int | np.ndarray, indices: np.ndarray) -> Iterator[SampleKey]:
@@ -201,14 +201,22 @@ class DefaultSampler(Sampler[SampleKey]):
         yield from map(SampleKey, indices.tolist(), seeds.tolist())
 
     def __iter__(self) -> Iterator[SampleKey]:
-        first, end, step = self.consumed + self.rank, self._end(), self.world_size
+        return self._keys_from(self.consumed)
+
+    def epoch_keys(self) -> Iterator[SampleKey]:
+        """This rank's keys of the whole epoch, from its start whatever was consumed (a batch sampler that
+        groups them replays the epoch up to where training stopped: :mod:`memfit.data.batch_sampler`)."""
+        return self._keys_from(0)
+
+    def _keys_from(self, consumed: int) -> Iterator[SampleKey]:
+        first, end, step = consumed + self.rank, self._end(consumed), self.world_size
         epoch = self.epoch
         for start in range(first, end, step * _CHUNK):
             positions = np.arange(start, min(start + step * _CHUNK, end), step, dtype=np.int64)
             yield from self._keys(epoch, self.indices(positions, epoch))
 
     def __len__(self) -> int:
-        return len(range(self.consumed + self.rank, self._end(), self.world_size))
+        return len(range(self.consumed + self.rank, self._end(self.consumed), self.world_size))
 
     @property
     def samples_per_epoch(self) -> int:

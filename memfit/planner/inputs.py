@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from memfit.data import sizes as S
+from memfit.data.batch_sampler import batch_size_of
 from memfit.errors import ConfigError, did_you_mean
 
 SAMPLED_BATCHES = 8  # batches drawn where the sizes cannot be derived
@@ -83,11 +84,11 @@ class Inputs:
             loader_cfg = {**loader_cfg, "num_workers": 0, "persistent_workers": False}
             loader_cfg.pop("prefetch_factor", None)
         self.loader = build_dataloader(loader_cfg, seed=0, key="train_dataloader")
-        self.batch_size = self.loader.batch_size
+        self.batch_size = batch_size_of(self.loader)
         ds = self.loader.dataset
         self.dataset = ds.dataset if isinstance(ds, SeededDataset) else ds
         # The loader's first key: a seeded sample that leaves the caller's random streams as they were.
-        self.item = ds[next(iter(self.loader.sampler), 0)]
+        self.item = ds[next(iter(getattr(self.loader.batch_sampler, "sampler", self.loader.sampler)), 0)]
         self.channels = _image(self.item).shape[0]
         self.divisor = _pad_divisor(cfg.get("model"))
         self.max_boxes = _max_boxes(self.dataset, self.item)

@@ -69,7 +69,10 @@ def test_sampler_and_collate_options():
         (dict(batchsize=2, dataset=SHAPES), "dataloader: unknown key 'batchsize': did you mean 'batch_size'"),
         (dict(dataset=SHAPES), "dataloader: missing 'batch_size'"),
         (dict(batch_size=0, dataset=SHAPES), "batch_size=0 must be a positive int"),
-        (dict(batch_size=2, dataset=SHAPES, batch_sampler=dict(type="x")), "batch_sampler is not supported"),
+        (dict(batch_size=2, dataset=SHAPES, batch_sampler=dict(type="x")), "unknown sampler type 'x'"),
+        (dict(batch_size=2, dataset=SHAPES, batch_sampler=dict(type="DefaultSampler")),
+         "dataloader.batch_sampler: DefaultSampler is not a batch sampler (one of: AspectRatioBatchSampler); a "
+         "sampler goes in dataloader.sampler"),
         (
             dict(batch_size=2, dataset=SHAPES, sampler=dict(type="DefaultSample")),
             "did you mean 'DefaultSampler'",
