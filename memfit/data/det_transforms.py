@@ -138,7 +138,7 @@ class LoadImageFromFile:
                  ignore_empty: bool = False, backend_args: dict | None = None) -> None:
         if color_type != "color":
             raise ConfigError(f"LoadImageFromFile: color_type={color_type!r} is not supported: use 'color' (RGB)")
-        _check_local(backend_args, "LoadImageFromFile")
+        check_local_backend(backend_args, "LoadImageFromFile")
         self.to_float32 = to_float32
         self.ignore_empty = ignore_empty
 
@@ -157,7 +157,8 @@ class LoadImageFromFile:
         return results
 
 
-def _check_local(backend_args: dict | None, where: str) -> None:
+def check_local_backend(backend_args: dict | None, where: str) -> None:
+    """MMEngine's ``backend_args`` (``file_client_args``): local files only, as memfit reads them."""
     if backend_args is not None and backend_args.get("backend", "local") != "local":
         raise ConfigError(f"{where}: backend_args={backend_args!r}: memfit reads local files only: set "
                           f"backend_args=None")

@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from memfit.data.det_transforms import check_local_backend
 from memfit.dist import get_rank
-from memfit.errors import ConfigError, did_you_mean, first_line
+from memfit.errors import ConfigError, did_you_mean, first_line, warn_ignored
 from memfit.evaluator.metric import BaseMetric
 from memfit.logger import LOGGER_NAME
 from memfit.registry import METRICS
@@ -49,8 +50,17 @@ class CocoMetric(BaseMetric):
                  format_only: bool = False, outfile_prefix: str | None = None,
                  proposal_nums: Sequence[int] = (100, 300, 1000), iou_thrs: float | Sequence[float] | None = None,
                  metric_items: Sequence[str] | None = None, backend: str = "pycocotools",
-                 collect_device: str = "cpu", prefix: str | None = None) -> None:
+                 collect_device: str = "cpu", prefix: str | None = None, backend_args: dict | None = None,
+                 file_client_args: dict | None = None, sort_categories: bool = False,
+                 use_mp_eval: bool = False) -> None:
         super().__init__(collect_device, prefix)
+        for name, args in (("backend_args", backend_args), ("file_client_args", file_client_args)):
+            check_local_backend(args, f"CocoMetric.{name}")
+        if sort_categories:  # MMDetection's, for Objects365 v1's unsorted categories
+            warn_ignored("CocoMetric(sort_categories=True)", "labels map to the annotation file's categories by "
+                         "name (dataset_meta['classes']), in whatever order the file lists them")
+        if use_mp_eval:
+            warn_ignored("CocoMetric(use_mp_eval=True)", "COCOeval runs in this process (the same results)")
         self.metrics = [metric] if isinstance(metric, str) else list(metric)
         for m in self.metrics:
             if m in _NOT_YET:
