@@ -24,6 +24,23 @@ from memfit.registry import DATASETS
 _FILTER_KEYS = ("filter_empty_gt", "min_size")
 
 
+def _subset(items: list, indices: int | Sequence[int] | None) -> list:
+    """MMEngine's ``indices`` of a dataset, after its filter: the first N (the last -N), or these positions."""
+    if indices is None:
+        return items
+    if isinstance(indices, int) and not isinstance(indices, bool):
+        return items[:indices] if indices >= 0 else items[indices:]
+    if not isinstance(indices, Sequence) or isinstance(indices, str) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in indices):
+        raise ConfigError(f"CocoDataset: indices={indices!r}: give a number of images (the first N) or a list of "
+                          "image positions")
+    outside = [i for i in indices if not -len(items) <= i < len(items)]
+    if outside:
+        raise ConfigError(f"CocoDataset: indices: {outside[0]} is outside the {len(items)} images left after "
+                          "filter_cfg")
+    return [items[i] for i in indices]
+
+
 def _missing_hint(ann_file: str) -> str:
     """The fix for a missing annotation file: the command that writes the built-in shapes as COCO when the
     path is theirs (``<root>/annotations/instances_<split>.json`` under a folder named like shapes_coco)."""
@@ -67,8 +84,15 @@ class CocoDataset(Dataset):
         test_mode: bool = False,
         backend_args: dict | None = None,
         max_refetch: int = 1000,
+        indices: int | Sequence[int] | None = None,
+        serialize_data: bool = True,
+        lazy_init: bool = False,
+        file_client_args: dict | None = None,
     ) -> None:
+        # serialize_data and lazy_init change how MMEngine holds and when it reads the annotations, not what
+        # an item is: memfit keeps them in a few arrays anyway, read here.
         check_local_backend(backend_args, "CocoDataset")
+        check_local_backend(file_client_args, "CocoDataset")
         self.ann_file = _join(data_root, ann_file)
         prefix = dict(data_prefix or {})
         self.img_prefix = _join(data_root, prefix.get("img", prefix.get("img_path", "")))
@@ -81,14 +105,14 @@ class CocoDataset(Dataset):
         if not ann_file or not os.path.isfile(self.ann_file):
             raise ConfigError(f"CocoDataset: ann_file {self.ann_file or '(empty)'!r} does not exist: "
                               f"{_missing_hint(self.ann_file)}")
-        self._load(metainfo or {}, filter_cfg)
+        self._load(metainfo or {}, filter_cfg, indices)
         self.pipeline = build_det_pipeline(list(pipeline), "pipeline")
         self.pipeline.check_image_loaded("pipeline")
         if len(self) and not os.path.isfile(self._path(0)):
             raise ConfigError(f"CocoDataset: image {self._path(0)!r} (of {self.ann_file}) does not exist: "
                               f"check data_root and data_prefix.img")
 
-    def _load(self, metainfo: dict, filter_cfg: dict) -> None:
+    def _load(self, metainfo: dict, filter_cfg: dict, indices: int | Sequence[int] | None) -> None:
         try:
             from pycocotools.coco import COCO
         except ImportError as exc:
@@ -116,15 +140,19 @@ class CocoDataset(Dataset):
 
         filter_empty = bool(filter_cfg.get("filter_empty_gt", False)) and not self.test_mode
         min_size = 0 if self.test_mode else filter_cfg.get("min_size", 0)
-        ids, names, sizes, boxes, labels, crowd, offsets = [], [], [], [], [], [], [0]
+        kept = []
         for img_id in coco.getImgIds():
             info = coco.imgs[img_id]
             w, h = info["width"], info["height"]
             if min(w, h) < min_size:
                 continue
-            img_boxes, img_labels, img_crowd = _parse(coco.imgToAnns.get(img_id, []), w, h, self.cat2label)
-            if filter_empty and not any(c == 0 for c in img_crowd):
+            parsed = _parse(coco.imgToAnns.get(img_id, []), w, h, self.cat2label)
+            if filter_empty and not any(c == 0 for c in parsed[2]):
                 continue
+            kept.append((img_id, info, parsed))
+        ids, names, sizes, boxes, labels, crowd, offsets = [], [], [], [], [], [], [0]
+        for img_id, info, (img_boxes, img_labels, img_crowd) in _subset(kept, indices):
+            w, h = info["width"], info["height"]
             ids.append(img_id)
             names.append(info["file_name"])
             sizes.append((h, w))

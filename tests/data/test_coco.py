@@ -96,6 +96,22 @@ def test_class_subset_in_the_given_order_and_filter_cfg(hand_made):
     assert len(test) == 4  # filter_cfg is for training only
 
 
+def test_indices_take_a_subset_after_the_filter_as_mmengine_does(hand_made):
+    """MMEngine's BaseDataset ``indices``: the first N images (the last -N), or these positions, of those the
+    filter kept; ``serialize_data``/``lazy_init`` are accepted (they change how MMEngine holds the annotations)."""
+    def img_ids(**kw) -> list[int]:
+        ds = CocoDataset(**hand_made, serialize_data=False, lazy_init=False, **kw)
+        return [ds.get_data_info(i)["img_id"] for i in range(len(ds))]
+
+    assert img_ids(indices=2) == [1, 2] and img_ids(indices=-1) == [4] and img_ids(indices=[3, 0]) == [4, 1]
+    assert img_ids(indices=1, filter_cfg=dict(filter_empty_gt=True, min_size=25)) == [1]
+    assert img_ids(indices=[-1], filter_cfg=dict(filter_empty_gt=True, min_size=25)) == [2]
+    for bad, message in ((dict(indices=[0, 9]), "indices: 9 is outside the 4 images left after filter_cfg"),
+                         (dict(indices="2"), "indices='2': give a number of images")):
+        with pytest.raises(ConfigError, match=message):
+            CocoDataset(**hand_made, **bad)
+
+
 def test_errors_are_one_line_with_the_fix(hand_made, tmp_path):
     cases = [
         (dict(hand_made, ann_file="annotations/missing.json"), "annotations/missing.json' does not exist"),
