@@ -165,6 +165,10 @@ class Runner(RunnerCheckpoints, RunnerHooks):
         kwargs["cfg"].pop("auto_fit", None)
         kwargs["cfg"].pop("planner", None)
         runner = cls(**kwargs)
+        if "fp16" in cfg:  # MMDetection's DINO Swin-L config still sets it
+            warn_ignored(f"fp16={cfg['fp16']!r}", "it is MMDetection 2's switch, which MMEngine's Runner does not read "
+                         "either (that run trains in fp32): for mixed precision set optim_wrapper=dict("
+                         "type='AmpOptimWrapper', loss_scale='dynamic')")
         if fitted:
             runner.logger.info(fitted)
         runner._cfg_to_dump = cfg

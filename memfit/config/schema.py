@@ -76,6 +76,7 @@ HELPER_KEYS: tuple[str, ...] = (
     "vis_backends", "data_root", "dataset_type", "backend_args", "train_pipeline", "test_pipeline", "val_pipeline",
     "max_epochs", "max_iters", "num_levels", "num_classes", "classes", "metainfo", "pretrained", "image_size",
     "batch_augments", "base_lr", "checkpoint",
+    "fp16",  # MMDetection 2's AMP switch, left in some MMDetection 3 configs: read by nothing (Runner.from_cfg warns)
 )
 
 CONFIG_KEYS: tuple[str, ...] = RUNNER_KEYS + TECHNIQUE_KEYS + HELPER_KEYS

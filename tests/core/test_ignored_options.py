@@ -166,3 +166,13 @@ def test_default_scope_warns_once(caplog):
     _runner("b", default_scope="mmdet")
     [msg] = _warnings(caplog, "default_scope='mmdet' has no effect")
     assert "registry scopes" in msg
+
+
+def test_mmdetection_2s_fp16_key_loads_and_says_it_changes_nothing(tmp_path, caplog):
+    """MMDetection's DINO Swin-L config sets ``fp16 = dict(loss_scale=512.)``, which MMEngine's Runner never reads:
+    the config loads, trains in fp32 as it would there, and one warning says how to ask for mixed precision."""
+    cfg = dict(model=Regression(), work_dir=str(tmp_path / "w"), fp16=dict(loss_scale=512.0))
+    Runner.from_cfg(cfg)
+    Runner.from_cfg({**cfg, "work_dir": str(tmp_path / "v")})
+    [msg] = _warnings(caplog, "fp16={'loss_scale': 512.0} has no effect in memfit")
+    assert "optim_wrapper=dict(type='AmpOptimWrapper'" in msg
