@@ -4,24 +4,19 @@ argument none of them takes is refused before training."""
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
 import torch.nn as nn
 
 from memfit import errors
+from memfit.config import Config
 from memfit.errors import ConfigError
 from memfit.hooks.visualization import DetVisualizationHook
 from memfit.model import BaseModel
 from memfit.runner import Runner
-
-# MMDetection's configs/_base_/default_runtime.py, as it is.
-MMDET_DEFAULT_HOOKS = dict(
-    timer=dict(type='IterTimerHook'),
-    logger=dict(type='LoggerHook', interval=50),
-    param_scheduler=dict(type='ParamSchedulerHook'),
-    checkpoint=dict(type='CheckpointHook', interval=1),
-    sampler_seed=dict(type='DistSamplerSeedHook'),
-    visualization=dict(type='DetVisualizationHook'))
+from tests.config._mmdetection_files import FILES
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +49,9 @@ def _warnings(caplog) -> list[str]:
 
 
 def test_mmdetections_default_hooks_build_and_train_without_a_warning(tmp_path, caplog):
-    runner = _runner(tmp_path, MMDET_DEFAULT_HOOKS)
+    runtime = tmp_path / "default_runtime.py"
+    runtime.write_text(textwrap.dedent(FILES["_base_/default_runtime.py"]))
+    runner = _runner(tmp_path, Config.fromfile(runtime).to_dict()["default_hooks"])
     assert any(isinstance(h, DetVisualizationHook) for h in runner._hooks)
     runner.train()
     assert (tmp_path / "epoch_1.pth").is_file()
