@@ -1,4 +1,4 @@
-"""``Config``: a dict with attribute access, loaded from Python or YAML files with ``_base_`` inheritance.
+"""``Config``: a dict with attribute access, loaded from Python, YAML or JSON files with ``_base_`` inheritance.
 
 A Python config is executed as MMEngine executes it: its top-level names form the config. Names that
 start with ``_`` are helpers, and names bound by ``import``, ``def`` or ``class`` are definitions, so
@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import builtins
 import importlib
+import json
 import sys
 import traceback
 import types
@@ -31,6 +32,7 @@ from memfit.errors import ConfigError, nearest
 DELETE_KEY = "_delete_"
 PYTHON_SUFFIXES = (".py",)
 YAML_SUFFIXES = (".yaml", ".yml")
+JSON_SUFFIXES = (".json",)
 
 
 class Config(dict):
@@ -93,7 +95,7 @@ class Config(dict):
     # -- public API --------------------------------------------------------------------------------
     @classmethod
     def fromfile(cls, path: str | Path) -> Config:
-        """Load a ``.py``, ``.yaml`` or ``.yml`` config with its ``_base_`` chain resolved.
+        """Load a ``.py``, ``.yaml``, ``.yml`` or ``.json`` config with its ``_base_`` chain resolved.
 
         Every error (missing file or base, syntax error, exception while executing the file, a
         ``_base_`` cycle) is a one-line ``ConfigError`` naming the file and, where known, the line.
@@ -226,9 +228,9 @@ def _load(path: Path, chain: tuple[Path, ...]) -> dict:
     if path in chain:
         cycle = " -> ".join(str(p) for p in (*chain, path))
         raise ConfigError(f"config _base_ cycle: {cycle}")
-    if path.suffix not in PYTHON_SUFFIXES + YAML_SUFFIXES:
+    if path.suffix not in PYTHON_SUFFIXES + YAML_SUFFIXES + JSON_SUFFIXES:
         raise ConfigError(
-            f"config file {str(path)!r}: unsupported suffix {path.suffix!r} (use .py, .yaml or .yml)"
+            f"config file {str(path)!r}: unsupported suffix {path.suffix!r} (use .py, .yaml, .yml or .json)"
         )
     text, held = hold_refs(path.read_text(encoding="utf-8"))
     if path.suffix in PYTHON_SUFFIXES:
@@ -236,7 +238,7 @@ def _load(path: Path, chain: tuple[Path, ...]) -> dict:
         bases = _merged_bases(spec, path, chain)
         own = _load_python(path, tree, bases)
     else:
-        own = _load_yaml(path, text)
+        own = _load_yaml(path, text) if path.suffix in YAML_SUFFIXES else _load_json(path, text)
         if is_vissl_config(own):  # VISSL's dialect (root key 'config:'), translated key by key
             try:
                 own = translate_vissl(own)
@@ -277,6 +279,18 @@ def _load_yaml(path: Path, text: str) -> dict:
         if "'\\t'" in problem:  # YAML forbids tabs in indentation; the parser's words do not say so
             problem += ": YAML indents with spaces: replace the tab with spaces"
         raise ConfigError(f"config {path}{line}: {problem}") from None
+    return _top_level(path, data)
+
+
+def _load_json(path: Path, text: str) -> dict:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config {path} line {e.lineno}: {e.msg}") from None
+    return _top_level(path, data)
+
+
+def _top_level(path: Path, data: Any) -> dict:
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -187,6 +187,18 @@ def test_delete_marker_never_survives(tmp_path):
     assert merged == {"a": {"y": [{"z": 1}]}}
 
 
+def test_json_configs_load_as_mmengine_reads_them(tmp_path):
+    """MMEngine reads .json configs too: bases, _delete_, {{_base_.name}} and '_' helpers as in YAML."""
+    write(tmp_path, "base.py", "model = dict(type='A', depth=1, width=8)\nbackend_args = None\n")
+    path = write(tmp_path, "c.json", '{"_base_": "base.py", "_note": 1, "model": {"depth": 3},'
+                                     ' "loader": {"args": {{_base_.backend_args}}}}')
+    assert Config.fromfile(path).to_dict() == {"model": {"type": "A", "depth": 3, "width": 8},
+                                               "backend_args": None, "loader": {"args": None}}
+    bad = write(tmp_path, "bad.json", '{"model": {"depth": 3,}\n}')
+    with pytest.raises(ConfigError, match=r"config .*bad\.json line 1: Expecting property name"):
+        Config.fromfile(bad)
+
+
 # -- errors ----------------------------------------------------------------------------------------
 def test_missing_base_names_the_file_that_referenced_it(tmp_path):
     path = write(tmp_path, "child.py", "_base_ = 'nope.py'\nmodel = dict()\n")
@@ -221,9 +233,9 @@ def test_base_cycle_missing_file_and_unknown_suffix(tmp_path):
         Config.fromfile(tmp_path / "a.py")
     with pytest.raises(ConfigError, match="not found"):
         Config.fromfile(tmp_path / "missing.py")
-    write(tmp_path, "c.json", "{}")
-    with pytest.raises(ConfigError, match="unsupported suffix '.json'"):
-        Config.fromfile(tmp_path / "c.json")
+    write(tmp_path, "c.toml", "")
+    with pytest.raises(ConfigError, match=r"unsupported suffix '\.toml' \(use \.py, \.yaml, \.yml or \.json\)"):
+        Config.fromfile(tmp_path / "c.toml")
     write(tmp_path, "list.yaml", "- 1\n- 2\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         Config.fromfile(tmp_path / "list.yaml")
