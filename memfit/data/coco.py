@@ -92,7 +92,7 @@ class CocoDataset(Dataset):
         # serialize_data and lazy_init change how MMEngine holds and when it reads the annotations, not what
         # an item is: memfit keeps them in a few arrays anyway, read here.
         check_local_backend(backend_args, "CocoDataset")
-        check_local_backend(file_client_args, "CocoDataset")
+        check_local_backend(file_client_args, "CocoDataset", "file_client_args")
         self.ann_file = _join(data_root, ann_file)
         prefix = dict(data_prefix or {})
         self.img_prefix = _join(data_root, prefix.get("img", prefix.get("img_path", "")))

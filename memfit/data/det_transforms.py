@@ -157,11 +157,11 @@ class LoadImageFromFile:
         return results
 
 
-def check_local_backend(backend_args: dict | None, where: str) -> None:
-    """MMEngine's ``backend_args`` (``file_client_args``): local files only, as memfit reads them."""
+def check_local_backend(backend_args: dict | None, where: str, name: str = "backend_args") -> None:
+    """MMEngine's ``backend_args`` (or ``file_client_args``, given as ``name``): local files only, as memfit reads
+    them."""
     if backend_args is not None and backend_args.get("backend", "local") != "local":
-        raise ConfigError(f"{where}: backend_args={backend_args!r}: memfit reads local files only: set "
-                          f"backend_args=None")
+        raise ConfigError(f"{where}: {name}={backend_args!r}: memfit reads local files only: set {name}=None")
 
 
 @DET_TRANSFORMS.register()

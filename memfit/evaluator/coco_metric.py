@@ -55,7 +55,7 @@ class CocoMetric(BaseMetric):
                  use_mp_eval: bool = False) -> None:
         super().__init__(collect_device, prefix)
         for name, args in (("backend_args", backend_args), ("file_client_args", file_client_args)):
-            check_local_backend(args, f"CocoMetric.{name}")
+            check_local_backend(args, f"CocoMetric.{name}", name)
         if sort_categories:  # MMDetection's, for Objects365 v1's unsorted categories
             warn_ignored("CocoMetric(sort_categories=True)", "labels map to the annotation file's categories by "
                          "name (dataset_meta['classes']), in whatever order the file lists them")

@@ -30,6 +30,9 @@ def test_remote_backend_args_are_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"^CocoMetric\.backend_args: backend_args=\{'backend': 'petrel'\}: memfit "
                                           r"reads local files only: set backend_args=None$"):
         CocoMetric(metric="bbox", backend_args=dict(backend="petrel"))
+    with pytest.raises(ConfigError, match=r"^CocoMetric\.file_client_args: file_client_args=\{'backend': 's3'\}: "
+                                          r"memfit reads local files only: set file_client_args=None$"):
+        CocoMetric(metric="bbox", file_client_args=dict(backend="s3"))
 
 
 @pytest.mark.parametrize(("kwargs", "warned"), [
