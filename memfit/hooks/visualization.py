@@ -9,8 +9,6 @@ Their other arguments (``interval``, ``score_thr``, ...) only tune the drawing a
 
 from __future__ import annotations
 
-from typing import Any
-
 from memfit.errors import warn_ignored
 from memfit.hooks.base import Hook
 from memfit.registry import HOOKS
@@ -25,10 +23,8 @@ class _DrawsNoImages(Hook):
 
     def __init__(self, draw: bool = False, enable: bool = False, show: bool = False, test_out_dir: str | None = None,
                  out_dir: str | None = None, interval: int = 50, frame_interval: int = 30, score_thr: float = 0.3,
-                 wait_time: float = 0.0, backend_args: dict | None = None, file_client_args: dict | None = None,
-                 **unknown: Any) -> None:
-        if unknown:
-            raise TypeError(f"{type(self).__name__} got an unexpected keyword argument {next(iter(unknown))!r}")
+                 wait_time: float = 0.0, backend_args: dict | None = None,
+                 file_client_args: dict | None = None) -> None:
         asked = {"draw": draw, "enable": enable, "show": show, "test_out_dir": test_out_dir, "out_dir": out_dir}
         for name, value in asked.items():
             if value:

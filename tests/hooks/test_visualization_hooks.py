@@ -73,5 +73,5 @@ def test_a_hook_asked_to_draw_says_once_that_memfit_draws_no_images(tmp_path, ca
 
 
 def test_an_argument_no_visualization_hook_takes_is_refused_naming_the_key(tmp_path):
-    with pytest.raises(ConfigError, match=r"default_hooks\.visualization: .*unexpected keyword argument 'drwa'"):
+    with pytest.raises(ConfigError, match=r"default_hooks\.visualization: unknown key 'drwa': did you mean 'draw'\?"):
         _runner(tmp_path, dict(visualization=dict(type="DetVisualizationHook", drwa=True)))
